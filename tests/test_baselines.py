@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fedorth import fed
+from fedorth.optim import federated as fed_optim
 
 N, S, K, R = 5, 3, 3, 4
 LR = 0.05
@@ -27,9 +28,11 @@ def x64():
         yield
 
 
-def _run(alg, data, *, rounds=R, lr=LR, params=None):
+def _run(alg, data, *, rounds=R, lr=LR, params=None, strategy="auto"):
     params = params or {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-    config = fed.RoundConfig(num_clients=N, clients_per_round=S, local_steps=K, learning_rate=lr)
+    config = fed.RoundConfig(
+        num_clients=N, clients_per_round=S, local_steps=K, learning_rate=lr, strategy=strategy
+    )
     server = fed.init_server(alg, params, {}, num_clients=N, key=jax.random.key(0))
     round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
     jdata = jax.tree.map(jnp.asarray, data)
@@ -388,16 +391,23 @@ def test_fed_sophia_and_fedpm_match_numpy(name):
 
 
 def test_aggregate_delta_hook_mean_is_fedavg():
-    """aggregate_delta returning the plain mean reproduces FedAvg bit for bit."""
+    """aggregate_delta returning the engine's client mean reproduces FedAvg bit for bit.
+
+    With ``vmap`` the engine averages the client-stacked updates with ``mean_over_clients``, so
+    the hook that receives the same stack and returns the same mean must give identical bits
+    (the sequential engine accumulates a running mean instead: equal up to rounding)."""
     data = fp.quadratic_clients(N, seed=18)
     base = fed.get_algorithm("fedavg", {"name": "sgd"})
     hooked = dataclasses.replace(
         base,
         aggregate_delta=lambda server, deltas_C, reports_C: jax.tree.map(
-            lambda d: jnp.mean(d, axis=0), deltas_C
+            fed_optim.mean_over_clients, deltas_C
         ),
     )
-    np.testing.assert_array_equal(_run(hooked, data).params["w"], _run(base, data).params["w"])
+    want = _run(base, data, strategy="vmap").params["w"]
+    np.testing.assert_array_equal(_run(hooked, data, strategy="vmap").params["w"], want)
+    got = _run(hooked, data, strategy="sequential").params["w"]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 # ---- communication ------------------------------------------------------------------------

@@ -95,8 +95,9 @@ def test_client_drift_and_preconditioner_drift_match_numpy():
     unit = flat / np.linalg.norm(flat, axis=1, keepdims=True)
     gram = unit @ unit.T
     got = fed_metrics.client_drift(jax.tree.map(jnp.asarray, deltas))
+    # Root mean square distance of the updates to their mean.
     np.testing.assert_allclose(
-        got["client_drift"], np.mean(np.linalg.norm(flat - mean, axis=1)), rtol=1e-5
+        got["client_drift"], np.sqrt(np.mean(np.sum((flat - mean) ** 2, axis=1))), rtol=1e-5
     )
     np.testing.assert_allclose(got["client_cosine"], (gram.sum() - np.trace(gram)) / 20, rtol=1e-5)
     states = {"m": rng.normal(size=(5, 6, 4)).astype(np.float32), "count": np.zeros(5, np.int32)}
@@ -106,6 +107,67 @@ def test_client_drift_and_preconditioner_drift_match_numpy():
     np.testing.assert_allclose(got["precond_drift"], np.sum(dev**2) / 5, rtol=1e-5)
     spec = np.mean([np.linalg.norm(d, 2) ** 2 for d in dev])
     np.testing.assert_allclose(got["precond_drift_spectral"], spec, rtol=1e-3)
+
+
+def _numpy_summary(x_C):
+    """float64 NumPy: mean, sum of squared deviations, sum of unit vectors, sum of unit norms."""
+    flat = np.concatenate([x.reshape(x.shape[0], -1) for x in x_C.values()], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    unit = flat / np.maximum(norms, 1e-30)[:, None]
+    mean = {k: v.mean(0) for k, v in x_C.items()}
+    return mean, np.sum((flat - flat.mean(0)) ** 2), unit.sum(0), np.sum(unit**2)
+
+
+@pytest.mark.parametrize("groups", [[1] * 7, [3, 3, 1], [2, 5], [7], [1, 6]])
+def test_streamed_client_summaries_equal_the_whole_stack(groups):
+    """fed.reduce: merging per-client (Welford) or per-chunk (Chan) summaries in any grouping
+    gives the mean, spread and direction sums of the whole stack (float64 NumPy reference),
+    including a zero update (unit vector 0) and an integer counter leaf (carried, not averaged)."""
+    from fedorth.fed import reduce
+
+    rng = np.random.default_rng(3)
+    x = {"a": rng.normal(size=(7, 3, 2)), "b": 3.0 + rng.normal(size=(7, 4))}
+    x["a"][4], x["b"][4] = 0.0, 0.0
+    tree = {"delta": {k: jnp.asarray(v, jnp.float32) for k, v in x.items()}}
+    tree["count"] = jnp.full((7,), 5, jnp.int32)
+    spread = {"delta": None}
+    one = jax.tree.map(lambda a: a[0], tree)
+    stats = reduce.empty(one, spread, "delta")
+    start = 0
+    for size in groups:
+        part = jax.tree.map(lambda a, lo=start, hi=start + size: a[lo:hi], tree)
+        if size == 1:
+            new = reduce.from_one(jax.tree.map(lambda a: a[0], part), spread, "delta")
+        else:
+            new = reduce.from_stack(part, spread, "delta")
+        stats = reduce.merge(stats, new, spread)
+        start += size
+    mean, m2, unit_sum, unit_sq = _numpy_summary(x)
+    for key in x:
+        np.testing.assert_allclose(stats["mean"]["delta"][key], mean[key], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(stats["m2"]["delta"], m2, rtol=1e-5)
+    got_unit = np.concatenate([np.ravel(stats["unit_sum"][k]) for k in x])
+    np.testing.assert_allclose(got_unit, unit_sum, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["unit_sq"], unit_sq, rtol=1e-6)
+    assert int(stats["count"]) == 7 and int(stats["mean"]["count"]) == 5
+
+
+@pytest.mark.parametrize("alg_name", ["fedavg", "fedpac_adamw"])
+def test_round_metrics_agree_across_strategies(alg_name):
+    """client_drift, client_cosine, precond_drift and train_loss: vmap (from the stack) equal the
+    sequential and chunked (streamed) rounds."""
+    optim = {"name": "sgd"} if alg_name == "fedavg" else {"name": "adamw"}
+    opts = {} if alg_name == "fedavg" else {"beta": 0.3}
+    alg = fed.get_algorithm(alg_name.split("_")[0], optim, **opts)
+    _, ref = _server_after(alg, "vmap", n=10, s=7)
+    assert set(ref) >= {"client_drift", "client_cosine", "train_loss"}
+    if alg_name != "fedavg":
+        assert "precond_drift" in ref
+    for strategy, chunk in [("sequential", None), ("chunked", 3)]:
+        _, got = _server_after(alg, strategy, n=10, s=7, chunk_size=chunk)
+        assert set(got) == set(ref), strategy
+        for key in ref:
+            np.testing.assert_allclose(got[key], ref[key], rtol=2e-5, err_msg=f"{strategy} {key}")
 
 
 def test_communication_accounting_follows_the_seeds_tables():

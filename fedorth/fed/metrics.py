@@ -1,6 +1,7 @@
 """Per-round federated metrics: client drift, preconditioner drift, communication cost.
 
-* Client drift: mean over sampled clients of ``||dx_i - mean_j dx_j||`` and the mean cosine
+* Client drift: root mean square over sampled clients of ``||dx_i - mean_j dx_j||`` and the
+  mean cosine
   similarity between the updates of two different clients.
 * Preconditioner drift, seed 004 Definition 1 / Eq. (7): the mean squared distance of the
   clients' optimizer states to their average, ``(1/S) sum_i ||Theta_i - Theta-bar||^2``, over the
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedorth.fed import reduce
 from fedorth.optim import federated as fed_optim
 
 PyTree = Any
@@ -27,26 +29,15 @@ PyTree = Any
 def client_drift(deltas_C: PyTree) -> dict[str, jax.Array]:
     """Drift of the client updates ``dx_i`` (leading client axis).
 
-    ``client_drift = mean_i ||dx_i - mean_j dx_j||`` and ``client_cosine = mean_{i != j}
-    <u_i, u_j>`` with ``u_i = dx_i / ||dx_i||`` (0 for a zero update), over all leaves. Computed
-    leaf by leaf in a few vectorized passes, without concatenating the ``[S, P]`` matrix, using
-    ``sum_{i != j} <u_i, u_j> = ||sum_i u_i||^2 - sum_i ||u_i||^2`` (docs/PERFORMANCE.md: the
-    concatenation and XLA:CPU's client-axis reductions cost more than a round's local steps for
-    models of millions of parameters).
+    ``client_drift = sqrt(mean_i ||dx_i - mean_j dx_j||^2)`` (the root mean square distance of
+    the updates to their average) and ``client_cosine = mean_{i != j} <u_i, u_j>`` with
+    ``u_i = dx_i / ||dx_i||`` (0 for a zero update), over all leaves. The round engine computes
+    the same two numbers while clients run (``fed.reduce``: Welford/Chan summaries, no ``[S, P]``
+    stack); this is the version for a stack.
     """
-    leaves = [x.reshape(x.shape[0], -1).astype(jnp.float32) for x in jax.tree.leaves(deltas_C)]
-    num = leaves[0].shape[0]
-    sq_dist = sum(jnp.sum((x - fed_optim.mean_over_clients(x)[None]) ** 2, axis=1) for x in leaves)
-    norms = jnp.sqrt(sum(jnp.sum(x**2, axis=1) for x in leaves))
-    inverse = 1.0 / jnp.maximum(norms, 1e-30)
-    if num > 1:
-        unit_sum_sq = num**2 * sum(
-            jnp.sum(fed_optim.mean_over_clients(x * inverse[:, None]) ** 2) for x in leaves
-        )
-        cosine = (unit_sum_sq - jnp.sum((norms * inverse) ** 2)) / (num * (num - 1))
-    else:
-        cosine = jnp.ones([])
-    return {"client_drift": jnp.mean(jnp.sqrt(sq_dist)), "client_cosine": cosine}
+    count = jax.tree.leaves(deltas_C)[0].shape[0]
+    stats = reduce.from_stack({"delta": deltas_C}, {"delta": None}, "delta")
+    return reduce.drift(stats, "delta", count)
 
 
 def _masked_leaves(tree: PyTree, mask: PyTree) -> list[jax.Array]:

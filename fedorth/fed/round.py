@@ -37,6 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedorth.fed import metrics as fed_metrics
+from fedorth.fed import reduce
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.state import (
     ClientState,
@@ -209,19 +210,71 @@ def _compress_state(state: PyTree, ratio: float) -> PyTree:
     return jax.tree.map(go, state, mask)
 
 
-def _map_clients(fn: Callable, xs: PyTree, config: RoundConfig) -> PyTree:
-    strategy = resolve_strategy(config.strategy)
-    if strategy == "vmap":
-        return jax.vmap(fn)(xs)
-    if strategy == "chunked":
-        return jax.lax.map(fn, xs, batch_size=config.chunk_size)
-    if strategy == "sequential":
-        return jax.lax.map(fn, xs)
+def _client_axis_sharding(config: RoundConfig) -> NamedSharding:
     mesh = config.mesh or Mesh(np.array(jax.devices()), ("clients",))
-    sharding = NamedSharding(mesh, PartitionSpec("clients"))
-    xs = jax.lax.with_sharding_constraint(xs, sharding)
-    out = jax.vmap(fn)(xs)
-    return jax.lax.with_sharding_constraint(out, sharding)
+    return NamedSharding(mesh, PartitionSpec("clients"))
+
+
+def _run_clients(
+    fn: Callable, xs: PyTree, config: RoundConfig, spread: dict, direction: str
+) -> tuple[reduce.Stats, PyTree]:
+    """Runs ``fn(x) -> (averaged, stacked)`` for every client of ``xs`` (leading client axis).
+
+    Returns the summary (``fed.reduce``) of the ``averaged`` outputs and the client-stacked
+    ``stacked`` outputs. Sequential and chunked rounds update the summary in place as clients
+    finish, so the averaged outputs are never stacked over clients (docs/PERFORMANCE.md).
+    """
+    strategy = resolve_strategy(config.strategy)
+    if strategy in ("vmap", "sharded"):
+        if strategy == "sharded":
+            xs = jax.lax.with_sharding_constraint(xs, _client_axis_sharding(config))
+        averaged, stacked = jax.vmap(fn)(xs)
+        if strategy == "sharded":
+            averaged, stacked = jax.lax.with_sharding_constraint(
+                (averaged, stacked), _client_axis_sharding(config)
+            )
+        return reduce.from_stack(averaged, spread, direction), stacked
+    s = jax.tree.leaves(xs)[0].shape[0]
+    chunk = 1 if strategy == "sequential" else min(config.chunk_size, s)
+    one = jax.eval_shape(fn, jax.tree.map(lambda a: a[0], xs))[0]
+    start = reduce.empty(
+        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), one), spread, direction
+    )
+    full, rest = divmod(s, chunk)
+    if chunk == 1:
+
+        def body(stats, x):
+            averaged, stacked = fn(x)
+            return reduce.merge(
+                stats, reduce.from_one(averaged, spread, direction), spread
+            ), stacked
+
+        return jax.lax.scan(body, start, xs)
+
+    def body_chunk(stats, x):
+        averaged, stacked = jax.vmap(fn)(x)
+        return reduce.merge(stats, reduce.from_stack(averaged, spread, direction), spread), stacked
+
+    head = jax.tree.map(lambda a: a[: full * chunk].reshape(full, chunk, *a.shape[1:]), xs)
+    stats, stacked = jax.lax.scan(body_chunk, start, head)
+    stacked = jax.tree.map(lambda a: a.reshape(full * chunk, *a.shape[2:]), stacked)
+    if rest:
+        averaged, tail = jax.vmap(fn)(jax.tree.map(lambda a: a[full * chunk :], xs))
+        stats = reduce.merge(stats, reduce.from_stack(averaged, spread, direction), spread)
+        stacked = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stacked, tail)
+    return stats, stacked
+
+
+def _drift_mask(algorithm: FedAlgorithm, opt_shape: PyTree, server: ServerState) -> PyTree:
+    """Leaves of the optimizer state that enter the preconditioner drift: uploaded and aligned."""
+    mask = fed_optim.upload_mask(opt_shape)
+    if algorithm.aggregate_mask is None:
+        return mask
+    return jax.tree.map(
+        lambda keep, sub: jax.tree.map(lambda m: bool(m and keep), sub),
+        algorithm.aggregate_mask(server.opt_state),
+        mask,
+    )
 
 
 def make_round_fn(
@@ -337,15 +390,43 @@ def make_round_fn(
         round_key, ids = sample_clients(server.key, server.round, n, s)
         lr = config.lr(server.round)
         persistent = gather_clients(server.clients, ids) if server.clients is not None else None
-        outs, new_persistent = _map_clients(
-            lambda xs: client_fn(server, data, lr, round_key, xs), (ids, persistent), config
+        # What is averaged is summarized while clients run (fed.reduce: no [S, ...] stacks of
+        # updates on the sequential/chunked paths); what the server needs per client is stacked.
+        opt_shape = jax.eval_shape(tx.init, server.params)
+        stream_opt = (
+            algorithm.aggregate_opt_state
+            and not config.spectral_drift
+            and not fed_optim.has_average_rule(opt_shape)
         )
-        # mean_over_clients, not jnp.mean(axis=0): XLA:CPU's reduction over the client axis is
-        # 25-120x slower (docs/PERFORMANCE.md).
-        mean_delta = jax.tree.map(fed_optim.mean_over_clients, outs["delta"])
+        spread: dict[str, Any] = {"delta": None}
+        if stream_opt:
+            spread["opt_state"] = _drift_mask(algorithm, opt_shape, server)
+
+        def per_client(xs):
+            out, new_persistent = client_fn(server, data, lr, round_key, xs)
+            averaged = {k: out[k] for k in ("delta", "model_state", "loss")}
+            stacked: dict[str, Any] = {}
+            if server.clients is not None:
+                stacked["persistent"] = new_persistent
+            if cv:
+                averaged["control_diff"] = jax.tree.map(
+                    jnp.subtract, new_persistent.control, xs[1].control
+                )
+            if algorithm.aggregate_opt_state:
+                (averaged if stream_opt else stacked)["opt_state"] = out["opt_state"]
+            if "report" in out:
+                averaged["report"] = out["report"]
+            if algorithm.aggregate_delta is not None:
+                stacked["delta"] = out["delta"]
+                stacked["report"] = out.get("report", {})
+            return averaged, stacked
+
+        stats, stacked = _run_clients(per_client, (ids, persistent), config, spread, "delta")
+        mean = stats["mean"]
+        mean_delta = mean["delta"]
         if algorithm.aggregate_delta is not None:
-            # E.g. FedPM's preconditioned mixing; reports are still client-stacked here.
-            mean_delta = algorithm.aggregate_delta(server, outs["delta"], outs.get("report", {}))
+            # E.g. FedPM's preconditioned mixing of the client-stacked updates and reports.
+            mean_delta = algorithm.aggregate_delta(server, stacked["delta"], stacked["report"])
         if algorithm.server_rule == "mean":
             scale = 1.0
         elif algorithm.server_rule == "partial":
@@ -357,45 +438,43 @@ def make_round_fn(
             pseudo_grad, server.server_opt_state, server.params
         )
         params = optax.apply_updates(server.params, updates)
-        model_state = jax.tree.map(fed_optim.mean_over_clients, outs["model_state"])
         new = server.replace(
             round=server.round + 1,
             params=params,
-            model_state=model_state,
+            model_state=mean["model_state"],
             server_opt_state=server_opt_state,
         )
-        metrics = {"train_loss": jnp.mean(outs["loss"]), "learning_rate": lr}
-        metrics.update(fed_metrics.client_drift(outs["delta"]))
-        if algorithm.aggregate_opt_state:
-            new = new.replace(opt_state=fed_optim.average_states(outs["opt_state"]))
-            drift_states = outs["opt_state"]
+        metrics = {"train_loss": mean["loss"], "learning_rate": lr}
+        metrics.update(reduce.drift(stats, "delta", s))
+        if stream_opt:
+            new = new.replace(opt_state=mean["opt_state"])
+            if jax.tree.leaves(spread["opt_state"]) and any(jax.tree.leaves(spread["opt_state"])):
+                # Seed 004 Eq. (7): (1/S) sum_i ||Theta_i - Theta-bar||^2 over uploaded leaves.
+                metrics["precond_drift"] = stats["m2"]["opt_state"] / s
+        elif algorithm.aggregate_opt_state:
+            states = stacked["opt_state"]
+            new = new.replace(opt_state=fed_optim.average_states(states))
             if algorithm.aggregate_mask is not None:
                 # Leaves that are not aligned are not sent: leave them out of the drift.
-                drift_states = jax.tree.map(
+                states = jax.tree.map(
                     lambda keep, x: x if keep else jnp.zeros((s,), jnp.int32),
                     algorithm.aggregate_mask(server.opt_state),
-                    drift_states,
+                    states,
                 )
-            metrics.update(
-                fed_metrics.preconditioner_drift(drift_states, spectral=config.spectral_drift)
-            )
+            metrics.update(fed_metrics.preconditioner_drift(states, spectral=config.spectral_drift))
         if algorithm.client_report is not None:
-            reports = jax.tree.map(fed_optim.mean_over_clients, outs["report"])
-            new = new.replace(extra=algorithm.server_extra_update(server, reports, lr))
+            new = new.replace(extra=algorithm.server_extra_update(server, mean["report"], lr))
         if algorithm.uses_global_direction:
             # Seed 000 Alg. 2 line 13 / seed 004 Alg. 2 line 14: g_G = -mean(dx) / (K eta).
             new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
         if cv:
             # c <- c + (1/N) sum_{i in S} (c_i+ - c_i)  (SCAFFOLD Alg. 1 line 17; seed 001 line 17).
             control = jax.tree.map(
-                lambda c, new_ci, ci: c + (s / n) * fed_optim.mean_over_clients(new_ci - ci),
-                server.control,
-                new_persistent.control,
-                persistent.control,
+                lambda c, diff: c + (s / n) * diff, server.control, mean["control_diff"]
             )
             new = new.replace(control=control)
         if server.clients is not None:
-            new = new.replace(clients=scatter_clients(server.clients, ids, new_persistent))
+            new = new.replace(clients=scatter_clients(server.clients, ids, stacked["persistent"]))
         return new, metrics
 
     return jax.jit(round_fn, donate_argnums=(0,))

@@ -81,6 +81,16 @@ def _is_registered(node: Any) -> bool:
     return type(node) in _AVERAGE_RULES
 
 
+def has_average_rule(state: PyTree) -> bool:
+    """True when some node of ``state`` has a registered rule (:func:`register_average`).
+
+    Such states are averaged from the whole client stack (e.g. SOAP rebuilds eigenbases); the
+    others are plain leaf means, which the round engine accumulates as clients finish.
+    """
+    flags = jax.tree.map(_is_registered, state, is_leaf=_is_registered)
+    return any(flag is True for flag in jax.tree.leaves(flags))
+
+
 def mean_over_clients(x: jax.Array) -> jax.Array:
     """``mean_i x[i]`` over the leading (client) axis, by a pairwise tree of slice additions.
 
