@@ -2,9 +2,11 @@
 
     python -m experiments.bench round [--workloads mlp,lenet5,cnn,vit_tiny,resnet18]
         [--algorithms fedavg,fedpac_muon,fedpac_soap,fedpac_sophia] [--clients 10,100]
-        [--local-steps 5,50] [--batch-size 50] [--strategies vmap,chunked,sequential,sharded]
-        [--conv-impls auto] [--unrolls auto] [--peers torch,jax_loop] [--repeats 3]
-        [--memory] [--scaling] [--json out.json] [--quick]
+        [--local-steps 5,50] [--batch-size 50] [--strategies auto,vmap,chunked,sequential,sharded]
+        [--conv-impls auto,lax,matmul,canonical] [--unrolls 1,True] [--peers torch,jax_loop]
+        [--repeats 3] [--memory] [--micro] [--scaling] [--no-rounds] [--json out.json] [--quick]
+
+docs/PERFORMANCE.md has the measured tables and the commands that produced them.
 
 One *case* is (workload, algorithm, S clients per round, K local steps); within a case every
 implementation runs the same round on the same random data (N = 2S clients of 64 examples,
@@ -23,13 +25,18 @@ Every implementation is warmed up (fedorth: round 1 compiles; its compile time i
 turn, ``--repeats`` times, each synchronized with ``block_until_ready``; the tables give medians,
 and each ratio is the median of the per-repeat ratios (side by side: the machine is shared).
 
+Sections (experiments/bench_round_sections.py): ``--memory`` (persistent per-client state at
+N = 1000 and peak memory per strategy), ``--micro`` (the XLA:CPU traps: client-axis mean, a
+convolution's gradient inside a loop), ``--scaling`` (``sharded`` on 1 vs 2 host devices).
+
 Columns: client-steps/s = S·K / round time; compile s; peak MB (the device's ``memory_stats``
 where it has them, else XLA's ``memory_analysis`` of the compiled round: arguments + outputs −
 aliased (donated) + temporaries); persistent bytes per client (``ServerState.clients``); FLOP/s
 achieved = S·K·(model FLOPs of one step, from XLA's ``cost_analysis`` of the jitted
 ``value_and_grad``, + Newton–Schulz FLOPs for Muon) / round time, as a fraction of a 2048² float32
-matmul measured in the same run; ``recompiles`` counts XLA compilations after round 1 (must be 0);
-``donated`` says whether the round's input server state was consumed (buffers donated).
+matmul timed in every repeat next to the rounds; ``recompiles`` counts new entries in the jitted
+round's cache after round 1 (must be 0); ``donated`` says whether the round's input server state
+was consumed (buffers donated).
 """
 
 from __future__ import annotations
