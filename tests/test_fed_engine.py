@@ -17,7 +17,9 @@ def noisy_loss_fn(params, model_state, batch, key):
     return loss + 0.1 * jnp.sum(noise * params["w"]), aux
 
 
-def _server_after(alg, strategy, *, rounds=3, n=8, s=8, k=3, chunk_size=None, data=None):
+def _server_after(
+    alg, strategy, *, rounds=3, n=8, s=8, k=3, chunk_size=None, data=None, spectral_drift=False
+):
     data = data if data is not None else fp.quadratic_clients(n, seed=5)
     config = fed.RoundConfig(
         num_clients=n,
@@ -26,6 +28,7 @@ def _server_after(alg, strategy, *, rounds=3, n=8, s=8, k=3, chunk_size=None, da
         learning_rate=0.05,
         strategy=strategy,
         chunk_size=chunk_size,
+        spectral_drift=spectral_drift,
     )
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
     server = fed.init_server(alg, params, {}, num_clients=n, key=jax.random.key(1))
@@ -107,6 +110,14 @@ def test_client_drift_and_preconditioner_drift_match_numpy():
     np.testing.assert_allclose(got["precond_drift"], np.sum(dev**2) / 5, rtol=1e-5)
     spec = np.mean([np.linalg.norm(d, 2) ** 2 for d in dev])
     np.testing.assert_allclose(got["precond_drift_spectral"], spec, rtol=1e-3)
+    # An explicit mask selects leaves: with "m" left out nothing is uploaded, so no drift.
+    states["v"] = rng.normal(size=(5, 2)).astype(np.float32)
+    only_v = {"m": False, "count": False, "v": True}
+    got = fed_metrics.preconditioner_drift(jax.tree.map(jnp.asarray, states), mask=only_v)
+    dev_v = states["v"] - states["v"].mean(0)
+    np.testing.assert_allclose(got["precond_drift"], np.sum(dev_v**2) / 5, rtol=1e-5)
+    none = {"m": False, "count": False, "v": False}
+    assert fed_metrics.preconditioner_drift(jax.tree.map(jnp.asarray, states), mask=none) == {}
 
 
 def _numpy_summary(x_C):
@@ -289,6 +300,33 @@ def test_aggregate_mask_selects_the_aligned_part_of_the_state():
         none, {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}, {}, num_clients=6, key=jax.random.key(0)
     )
     assert fed.communication_bytes(none, server)["bytes_up"] == (12 + 3) * 4
+
+
+def test_precond_drift_counts_only_the_aligned_leaves_on_both_paths():
+    """With an aggregate_mask, preconditioner drift covers the aligned leaves only: the streamed
+    summary (sequential) equals the client stack's (spectral_drift forces the stacked path), and
+    an all-False mask reports no drift on either path."""
+    import dataclasses
+
+    from fedorth.optim.federated import is_float
+
+    full = fed.get_algorithm("fedpac", {"name": "adamw"}, beta=0.3)
+
+    def first_moment_only(state):
+        # optax.adamw: (ScaleByAdamState(count, mu, nu), ...): align mu, not nu.
+        mask = jax.tree.map(lambda _: False, state)
+        return (mask[0]._replace(mu=jax.tree.map(is_float, state[0].mu)), *mask[1:])
+
+    masked = dataclasses.replace(full, aggregate_mask=first_moment_only)
+    none = dataclasses.replace(full, aggregate_mask=lambda st: jax.tree.map(lambda _: False, st))
+    run = lambda alg, strategy, spectral=False: _server_after(
+        alg, strategy, n=6, s=4, spectral_drift=spectral
+    )[1]
+    streamed, stacked = run(masked, "sequential"), run(masked, "sequential", True)
+    np.testing.assert_allclose(streamed["precond_drift"], stacked["precond_drift"], rtol=2e-5)
+    assert streamed["precond_drift"] > 0
+    assert "precond_drift" not in run(none, "sequential")
+    assert "precond_drift" not in run(none, "sequential", True)
 
 
 def test_server_extra_reaches_clients_and_is_updated_from_reports():

@@ -40,10 +40,6 @@ def client_drift(deltas_C: PyTree) -> dict[str, jax.Array]:
     return reduce.drift(stats, "delta", count)
 
 
-def _masked_leaves(tree: PyTree, mask: PyTree) -> list[jax.Array]:
-    return [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True) if m]
-
-
 def _spectral_norm_sq(x_C: jax.Array, iters: int = 16) -> jax.Array:
     """Squared spectral norm of each ``[S, ..., m, n]`` matrix by power iteration (summed)."""
     mats = x_C.reshape(-1, x_C.shape[-2], x_C.shape[-1]).astype(jnp.float32)
@@ -59,9 +55,17 @@ def _spectral_norm_sq(x_C: jax.Array, iters: int = 16) -> jax.Array:
     return jnp.sum(sq.reshape(x_C.shape[0], -1), axis=1)
 
 
-def preconditioner_drift(states_C: PyTree, *, spectral: bool = False) -> dict[str, jax.Array]:
-    """Seed 004 Eq. (7) over the uploaded leaves of client-stacked optimizer states."""
-    leaves = _masked_leaves(states_C, fed_optim.upload_mask(states_C))
+def preconditioner_drift(
+    states_C: PyTree, *, mask: PyTree | None = None, spectral: bool = False
+) -> dict[str, jax.Array]:
+    """Seed 004 Eq. (7) over the uploaded leaves of client-stacked optimizer states.
+
+    ``mask`` (a pytree of bools like one state) selects the leaves; default: the uploaded ones
+    (``fed_optim.upload_mask``).
+    """
+    if mask is None:
+        mask = fed_optim.upload_mask(states_C)
+    leaves = reduce.masked_leaves(states_C, mask)
     if not leaves:
         return {}
     total = jnp.zeros([], jnp.float32)

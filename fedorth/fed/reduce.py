@@ -31,18 +31,20 @@ PyTree = Any
 Stats = dict[str, Any]
 
 
-def _is_float(x: jax.Array) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jnp.floating))
-
-
-def _masked(tree: PyTree, mask: PyTree | None) -> list[jax.Array]:
+def masked_leaves(tree: PyTree, mask: PyTree | None) -> list[jax.Array]:
+    """The float leaves of ``tree`` whose flag in ``mask`` (same structure) is set; all if None."""
     leaves = jax.tree.leaves(tree)
     flags = jax.tree.leaves(mask) if mask is not None else [True] * len(leaves)
-    return [x for x, m in zip(leaves, flags, strict=True) if m and _is_float(x)]
+    return [x for x, m in zip(leaves, flags, strict=True) if m and fed_optim.is_float(x)]
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    # Squares are summed in at least float32 (float64 leaves stay float64).
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _sq(x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype, jnp.float32))))
+    return jnp.sum(jnp.square(_wide(x)))
 
 
 def _count(value) -> jax.Array:
@@ -52,7 +54,7 @@ def _count(value) -> jax.Array:
 
 def _sum_sq_diff(tree_a: PyTree, tree_b: PyTree, mask: PyTree | None) -> jax.Array:
     """``sum ||a - b||^2`` over the masked float leaves; ``b`` may lack ``a``'s client axis."""
-    pairs = zip(_masked(tree_a, mask), _masked(tree_b, mask), strict=True)
+    pairs = zip(masked_leaves(tree_a, mask), masked_leaves(tree_b, mask), strict=True)
     return sum(
         (_sq(a - b.reshape((1,) * (a.ndim - b.ndim) + b.shape)) for a, b in pairs),
         _count(0),
@@ -60,7 +62,7 @@ def _sum_sq_diff(tree_a: PyTree, tree_b: PyTree, mask: PyTree | None) -> jax.Arr
 
 
 def _norm_sq_C(tree_C: PyTree) -> jax.Array:
-    leaves = [x.reshape(x.shape[0], -1).astype(jnp.float32) for x in jax.tree.leaves(tree_C)]
+    leaves = [_wide(x.reshape(x.shape[0], -1)) for x in jax.tree.leaves(tree_C)]
     return sum(jnp.sum(x * x, axis=1) for x in leaves)
 
 
@@ -76,7 +78,7 @@ def from_stack(
       direction: the group whose unit directions are summed (client cosine), or None.
     """
     count = jax.tree.leaves(tree_C)[0].shape[0]
-    mean = jax.tree.map(lambda x: fed_optim.mean_over_clients(x) if _is_float(x) else x[0], tree_C)
+    mean = jax.tree.map(fed_optim.mean_leaf, tree_C)
     m2 = {name: _sum_sq_diff(tree_C[name], mean[name], mask) for name, mask in spread.items()}
     stats: Stats = {"count": _count(count), "mean": mean, "m2": m2}
     if direction is not None:
@@ -110,16 +112,20 @@ def from_one(tree: PyTree, spread: dict[str, PyTree | None], direction: str | No
     return stats
 
 
-def empty(tree: PyTree, spread: dict[str, PyTree | None], direction: str | None = None) -> Stats:
-    """The summary of no client (the identity of :func:`merge`), shaped like one client's tree."""
-    zeros = jax.tree.map(jnp.zeros_like, tree)
+def empty(shapes: PyTree, spread: dict[str, PyTree | None], direction: str | None = None) -> Stats:
+    """The summary of no client (the identity of :func:`merge`).
+
+    ``shapes``: one client's tree, of arrays or ``jax.ShapeDtypeStruct`` (e.g. from
+    ``jax.eval_shape``).
+    """
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     stats: Stats = {
         "count": _count(0),
         "mean": zeros,
         "m2": {name: _count(0) for name in spread},
     }
     if direction is not None:
-        stats["unit_sum"] = jax.tree.map(jnp.zeros_like, tree[direction])
+        stats["unit_sum"] = zeros[direction]
         stats["unit_sq"] = _count(0)
     return stats
 
@@ -135,7 +141,7 @@ def merge(a: Stats, b: Stats, spread: dict[str, PyTree | None]) -> Stats:
     weight = b["count"] / count
 
     def mean_leaf(ma, mb):
-        if not _is_float(ma):
+        if not fed_optim.is_float(ma):
             return mb
         return ma + (mb - ma) * weight.astype(ma.dtype)
 

@@ -6,9 +6,9 @@ leading client axis with one of the execution strategies, which give the same re
 reassociation:
 
 * ``"vmap"``: all sampled clients at once (``jax.vmap``);
-* ``"chunked"``: ``jax.lax.map(..., batch_size=chunk_size)`` -- vmap over chunks of clients, a
-  sequential loop over the chunks, bounding peak memory;
-* ``"sequential"``: one client at a time inside the compiled call (``lax.map``);
+* ``"chunked"``: vmap over chunks of ``chunk_size`` clients, a ``lax.scan`` over the chunks
+  (plus one remainder chunk), bounding peak memory;
+* ``"sequential"``: one client at a time inside the compiled call (``lax.scan``);
 * ``"sharded"``: the client axis is laid over the ``"clients"`` axis of a ``jax.sharding.Mesh``;
   XLA inserts the cross-device reduction for the server average;
 * ``"auto"`` (the default): ``"sequential"`` on the CPU backend, ``"vmap"`` elsewhere
@@ -22,6 +22,10 @@ step ``k``'s is ``fold_in(client_key, k)``, split into batch, model (dropout) an
 Schedule counters (integer scalars in optimizer states) are never batched over clients: a reset
 or warm-started state is built from unbatched server values, so ``lax.cond`` on a counter stays a
 real branch under ``vmap`` (docs/CONTRACTS.md).
+
+Averages and drift metrics are summaries (``fed.reduce``) updated as clients or chunks finish;
+only what the server needs per client (persistent states, SOAP states, ``aggregate_delta``
+inputs) is stacked over the client axis.
 """
 
 from __future__ import annotations
@@ -237,9 +241,7 @@ def _run_clients(
     s = jax.tree.leaves(xs)[0].shape[0]
     chunk = 1 if strategy == "sequential" else min(config.chunk_size, s)
     one = jax.eval_shape(fn, jax.tree.map(lambda a: a[0], xs))[0]
-    start = reduce.empty(
-        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), one), spread, direction
-    )
+    start = reduce.empty(one, spread, direction)
     full, rest = divmod(s, chunk)
     if chunk == 1:
 
@@ -399,8 +401,10 @@ def make_round_fn(
             and not fed_optim.has_average_rule(opt_shape)
         )
         spread: dict[str, Any] = {"delta": None}
+        if algorithm.aggregate_opt_state:
+            drift_mask = _drift_mask(algorithm, opt_shape, server)
         if stream_opt:
-            spread["opt_state"] = _drift_mask(algorithm, opt_shape, server)
+            spread["opt_state"] = drift_mask
 
         def per_client(xs):
             out, new_persistent = client_fn(server, data, lr, round_key, xs)
@@ -448,20 +452,17 @@ def make_round_fn(
         metrics.update(reduce.drift(stats, "delta", s))
         if stream_opt:
             new = new.replace(opt_state=mean["opt_state"])
-            if jax.tree.leaves(spread["opt_state"]) and any(jax.tree.leaves(spread["opt_state"])):
+            if any(jax.tree.leaves(drift_mask)):
                 # Seed 004 Eq. (7): (1/S) sum_i ||Theta_i - Theta-bar||^2 over uploaded leaves.
                 metrics["precond_drift"] = stats["m2"]["opt_state"] / s
         elif algorithm.aggregate_opt_state:
             states = stacked["opt_state"]
             new = new.replace(opt_state=fed_optim.average_states(states))
-            if algorithm.aggregate_mask is not None:
-                # Leaves that are not aligned are not sent: leave them out of the drift.
-                states = jax.tree.map(
-                    lambda keep, x: x if keep else jnp.zeros((s,), jnp.int32),
-                    algorithm.aggregate_mask(server.opt_state),
-                    states,
+            metrics.update(
+                fed_metrics.preconditioner_drift(
+                    states, mask=drift_mask, spectral=config.spectral_drift
                 )
-            metrics.update(fed_metrics.preconditioner_drift(states, spectral=config.spectral_drift))
+            )
         if algorithm.client_report is not None:
             new = new.replace(extra=algorithm.server_extra_update(server, mean["report"], lr))
         if algorithm.uses_global_direction:

@@ -116,7 +116,8 @@ def mean_over_clients(x: jax.Array) -> jax.Array:
     return (x[0] / count).astype(x.dtype)
 
 
-def _mean_leaf(x: jax.Array) -> jax.Array:
+def mean_leaf(x: jax.Array) -> jax.Array:
+    """Client mean of one `[S, ...]` leaf: floats averaged, integer counters taken from client 0."""
     if is_float(x):
         return mean_over_clients(x)
     # Integer leaves are schedule counters shared by all clients (docs/CONTRACTS.md).
@@ -140,7 +141,7 @@ def average_states(states_C: PyTree) -> PyTree:
     def go(node):
         if _is_registered(node):
             return _AVERAGE_RULES[type(node)](node)
-        return _mean_leaf(node)
+        return mean_leaf(node)
 
     return jax.tree.map(go, states_C, is_leaf=_is_registered)
 
