@@ -49,7 +49,7 @@ def resolve_conv_impl(impl: str) -> str:
     """`"auto"` → `"matmul"` on the CPU backend, `"lax"` on the others; other values unchanged.
 
     On XLA:CPU, `lax.conv_general_dilated`'s gradients inside a loop body (the local-step
-    `lax.scan`, the `lax.map` of the sequential/chunked strategies) are 10-100x slower than at
+    `lax.scan`, the client loop of sequential/chunked rounds) are 10-100x slower than at
     the top level (jax-ml/jax#12868), and under `vmap` over clients convolutions become slow
     grouped convolutions; im2col + dot is fast in both places and supports every autodiff mode.
     `"canonical"` is faster still for unbatched first-order training but is not the default
