@@ -17,7 +17,14 @@ import pytest
 from jax import lax
 
 from fedorth.models import MODELS, Model, get_model
-from fedorth.models.layers import avg_pool, conv2d, max_pool, resolve_conv_impl
+from fedorth.models.layers import (
+    Dropout,
+    avg_pool,
+    conv2d,
+    dropout_mask_apply,
+    max_pool,
+    resolve_conv_impl,
+)
 from fedorth.models.llama import LLAMA_SIZES, apply_rotary, rms_norm
 from fedorth.models.resnet import ResNet18
 from fedorth.models.vit import patchify, sinusoidal_positions
@@ -314,6 +321,69 @@ def test_reshape_pools_equal_flax_pools(window):
     ref_avg = nn.avg_pool(x, window, strides=window, padding="VALID")
     np.testing.assert_array_equal(max_pool(x, window), ref_max)
     np.testing.assert_allclose(avg_pool(x, window), ref_avg, rtol=1e-6, atol=1e-7)
+
+
+def numpy_dropout(key, x, rate):
+    """float64 NumPy reference of `layers.Dropout`: the documented half-word layout."""
+    x = np.asarray(x, np.float64)
+    shape = x.shape if x.ndim else (1,)
+    threshold = round((1.0 - rate) * 65536)
+    half = (shape[-1] + 1) // 2
+    bits = np.asarray(jax.random.bits(key, (*shape[:-1], half), jnp.uint32)).astype(np.int64)
+    keep = np.concatenate([(bits & 0xFFFF) < threshold, (bits >> 16) < threshold], -1)
+    keep = keep[..., : shape[-1]].reshape(x.shape)
+    return np.where(keep, x * 65536.0 / threshold, 0.0), keep
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 8), (2, 5, 9)])
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.97])
+def test_dropout_equals_numpy_reference(shape, rate):
+    x = np.random.default_rng(3).normal(size=shape).astype(np.float32) + 2.0
+    key = jax.random.key(11)
+    out = Dropout(rate).apply({}, jnp.asarray(x), deterministic=False, rng=key)
+    ref, keep = numpy_dropout(key, x, rate)
+    assert out.shape == x.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-7, atol=0)
+    # The gradient is the mask times the same scale.
+    grad = jax.grad(lambda v: jnp.sum(dropout_mask_apply(key, v, round((1 - rate) * 65536))))(
+        jnp.asarray(x)
+    )
+    np.testing.assert_allclose(grad, np.where(keep, 65536.0 / round((1 - rate) * 65536), 0.0))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_drop_frequency_and_unbiasedness(rate):
+    """2^20 draws: drop frequency within 5 binomial sigmas of `rate` (the threshold's rounding
+    is < 2^-17, far below that), halves independent (the high and low half-words decide
+    different elements), and the mean of the output equals the input's (inverted dropout)."""
+    n = 1 << 20
+    key = jax.random.key(5)
+    out = np.asarray(Dropout(rate).apply({}, jnp.ones((64, n // 64)), False, rngs={"dropout": key}))
+    dropped = out == 0
+    sigma = math.sqrt(rate * (1 - rate) / n)
+    assert abs(dropped.mean() - rate) < 5 * sigma, (dropped.mean(), rate)
+    lo, hi = dropped[:, : n // 128].ravel(), dropped[:, n // 128 :].ravel()
+    corr = np.corrcoef(lo, hi)[0, 1]
+    assert abs(corr) < 5 / math.sqrt(lo.size), f"low/high half-words correlated: {corr}"
+    # Kept entries are 2^16 / t exactly; E[out] = 1 within 5 sigma of the sample mean.
+    scale = 65536.0 / round((1 - rate) * 65536)
+    np.testing.assert_allclose(out[~dropped], np.float32(scale))
+    assert abs(out.mean() - 1.0) < 5 * scale * sigma
+
+
+def test_dropout_deterministic_and_extreme_rates():
+    x = jnp.arange(6.0).reshape(2, 3)
+    key = {"dropout": jax.random.key(0)}
+    np.testing.assert_array_equal(Dropout(0.5).apply({}, x, True), x)
+    np.testing.assert_array_equal(Dropout(0.5, deterministic=True).apply({}, x), x)
+    np.testing.assert_array_equal(Dropout(0.0).apply({}, x, False, rngs=key), x)
+    np.testing.assert_array_equal(Dropout(1.0).apply({}, x, False, rngs=key), jnp.zeros_like(x))
+    a = Dropout(0.5).apply({}, x, False, rngs=key)
+    b = Dropout(0.5).apply({}, x, False, rngs={"dropout": jax.random.key(1)})
+    assert (a == Dropout(0.5).apply({}, x, False, rngs=key)).all(), "same key, same mask"
+    assert (a != b).any(), "another key, another mask"
+    with pytest.raises(ValueError, match="rate"):
+        Dropout(1.5).apply({}, x, False, rngs=key)
 
 
 @pytest.mark.parametrize(
