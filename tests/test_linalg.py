@@ -51,3 +51,37 @@ def test_cpu_lowering_avoids_batched_lapack_kernels(name):
     assert any("callback" in t for t in ours)
     native = targets(getattr(jnp.linalg, name))
     assert any("lapack" in t for t in native), "the native kernel is the one being avoided"
+
+
+@pytest.mark.parametrize("name", ["qr", "eigh", "svd"])
+def test_host_path_runs_single_precision_lapack(name, monkeypatch):
+    """float32 in, float32 LAPACK (sgeqrf/ssyevd/sgesdd, as jaxlib and PyTorch): the host path
+    must not upcast to float64 as numpy.linalg does (2x the time, docs/PERFORMANCE.md).
+    SciPy picks the routine from the array's dtype, so record the dtypes LAPACK is given."""
+    import scipy.linalg
+
+    seen = []
+    original = getattr(scipy.linalg, name)
+
+    def spy(a, *args, **kwargs):
+        seen.append(np.asarray(a).dtype)
+        return original(a, *args, **kwargs)
+
+    monkeypatch.setattr(scipy.linalg, name, spy)
+    x = _batch((2, 6, 6), seed=3)
+    if name == "eigh":
+        x = x @ jnp.swapaxes(x, -1, -2)
+    outs = jax.jit(getattr(linalg, name))(x)
+    jax.block_until_ready(outs)
+    assert seen == [np.float32, np.float32], seen
+    assert all(o.dtype == jnp.float32 for o in outs)
+
+
+def test_host_path_accepts_bfloat16():
+    """LAPACK has no bfloat16 routines: the host path computes in float32 and casts back."""
+    x = _batch((5, 3), seed=4).astype(jnp.bfloat16)
+    q, r = jax.jit(linalg.qr)(x)
+    assert q.dtype == r.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(q @ r, np.float32), np.asarray(x, np.float32), atol=3e-2, rtol=3e-2
+    )

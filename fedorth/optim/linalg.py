@@ -9,16 +9,19 @@ is left to run, and the process hangs forever (reproduced here: a FedPAC_SOAP ru
 with two ``lapack_sgeqrf_ffi`` calls in ``BlockingCounter::Wait``; jaxlib 0.11.2 removed that
 parallel path from open-source builds).
 
-On the CPU backend these functions therefore run NumPy's LAPACK on the host through
-``jax.pure_callback`` (outside XLA's pool; batches are handled by NumPy's stacked linalg), and on
-every other backend they lower to the native ``jnp.linalg`` kernels. The choice is made per
+On the CPU backend these functions therefore run LAPACK on the host through
+``jax.pure_callback`` (outside XLA's pool; SciPy's single-precision routines for float32, one
+matrix of a batch after another), and on every other backend they lower to the native
+``jnp.linalg`` kernels. The choice is made per
 platform at lowering time (``jax.lax.platform_dependent``), so one jitted function serves both.
-The results are those of LAPACK either way (NumPy and jaxlib call the same routines); eigenvector
-and singular-vector signs are LAPACK's and may differ between the two paths.
+The results are those of LAPACK either way (SciPy and jaxlib call the same float32 routines);
+eigenvector and singular-vector signs are LAPACK's and may differ between the two paths. (Until
+2026-11-21 the host path used ``numpy.linalg``, which computes float32 inputs in float64: about
+2x slower, e.g. a 3072² QR 2.8 s vs 1.2 s.)
 
-NumPy's OpenBLAS threads spin while XLA's threads are busy: set ``OPENBLAS_NUM_THREADS=1`` before
-NumPy is imported (``experiments/main.py`` and the tests do) -- measured 8 s instead of 121 s of
-CPU for the ``local_soap`` default on 2 cores.
+OpenBLAS threads spin while XLA's threads are busy: set ``OPENBLAS_NUM_THREADS=1`` before
+NumPy/SciPy are imported (``experiments/main.py`` and the tests do) -- measured 8 s instead of
+121 s of CPU for the ``local_soap`` default on 2 cores.
 
 Float64 inputs use the native kernels on every backend: they only occur with ``jax_enable_x64``
 (the float64 reference tests), and under the thread-local ``jax.enable_x64`` context JAX checks a
@@ -30,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 
 
 def _host(fn, out_shapes, *args):
@@ -42,16 +46,40 @@ def _host(fn, out_shapes, *args):
     return jax.pure_callback(call, out_shapes, *args, vmap_method="broadcast_all")
 
 
+def _each_matrix(fn, x) -> tuple[np.ndarray, ...]:
+    """Applies ``fn`` (matrix -> tuple of arrays) to each matrix of ``[..., m, n]``; stacks."""
+    x = np.asarray(x)
+    if x.dtype not in (np.float32, np.float64):  # e.g. bfloat16: LAPACK has no such routines
+        x = x.astype(np.float32)
+    batch = x.shape[:-2]
+    matrices = x.reshape(-1, *x.shape[-2:])
+    if not len(matrices):  # an empty batch: shapes from a zero matrix, no rows
+        proto = fn(np.zeros(x.shape[-2:], x.dtype))
+        return tuple(np.zeros((*batch, *p.shape), p.dtype) for p in proto)
+    outs = [fn(m) for m in matrices]
+    return tuple(
+        np.stack(parts).reshape(*batch, *parts[0].shape) for parts in zip(*outs, strict=True)
+    )
+
+
+# SciPy's LAPACK in the input's precision (sgeqrf/ssyevd/sgesdd for float32, as jaxlib and the
+# authors' PyTorch code use). NumPy's linalg computes float32 in float64 and casts back: 2.0-2.3x
+# slower for n = 400..3072 on this project's CPU (docs/PERFORMANCE.md).
 def _np_qr(x):
-    return np.linalg.qr(np.asarray(x))
+    return _each_matrix(lambda m: scipy.linalg.qr(m, mode="economic", check_finite=False), x)
 
 
 def _np_eigh(x):
-    return np.linalg.eigh(np.asarray(x))
+    return _each_matrix(lambda m: scipy.linalg.eigh(m, driver="evd", check_finite=False), x)
 
 
 def _np_svd(x):
-    return np.linalg.svd(np.asarray(x), full_matrices=False)
+    return _each_matrix(
+        lambda m: scipy.linalg.svd(
+            m, full_matrices=False, check_finite=False, lapack_driver="gesdd"
+        ),
+        x,
+    )
 
 
 def _native(x: jax.Array) -> bool:
