@@ -33,7 +33,9 @@ The models mirror fedorth.models layer for layer (same parameter counts; NCHW la
 ``mlp``, ``lenet5``, ``cnn``, ``vit_tiny`` and ``resnet18`` (``width`` scales the channels).
 
 Threads: callers set ``torch.set_num_threads`` to the number of CPU cores JAX uses (the bench
-does) so both frameworks get the same cores.
+does) so both frameworks get the same cores. Device: ``Peer(..., device=...)``; the bench puts the
+peer on ``cuda`` when JAX's default backend is a GPU and torch sees one (same machine, same GPU),
+and synchronizes before reading the clock.
 """
 
 from __future__ import annotations
@@ -483,6 +485,9 @@ class Peer:
       clients_per_round, local_steps, batch_size, learning_rate: ``S``, ``K``, ``B``, ``eta``.
       beta: FedPAC's correction weight.
       seed: seeds client sampling, batches, probes and dropout.
+      device: where the model, data and optimizer states live (``"cpu"``, ``"cuda"``, ...).
+        Batch indices and Sophia's probes are drawn on the CPU and moved, so every device sees
+        the same random streams. Call ``synchronize()`` before reading a clock.
     """
 
     def __init__(
@@ -499,11 +504,13 @@ class Peer:
         learning_rate: float,
         beta: float = 0.5,
         seed: int = 0,
+        device: str | torch.device = "cpu",
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"torch peer: algorithm={algorithm!r}; valid: {ALGORITHMS}.")
-        self.model, self.algorithm = model, algorithm
-        self.x, self.y = x, y
+        self.device = torch.device(device)
+        self.model, self.algorithm = model.to(self.device), algorithm
+        self.x, self.y = x.to(self.device), y.to(self.device)
         self.index = [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in partition]
         self.s, self.k, self.b, self.lr = clients_per_round, local_steps, batch_size, learning_rate
         self.beta = beta
@@ -513,6 +520,11 @@ class Peer:
         self.global_weights = {k: v.clone() for k, v in model.state_dict().items()}
         self.server_opt_state: list[dict] | None = None
         self.global_direction = [torch.zeros_like(p) for p in model.parameters()]
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (CUDA runs asynchronously; a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _optimizer(self):
         params = self.model.parameters()
@@ -536,7 +548,7 @@ class Peer:
     def sample_batch(self, client: int):
         rows = self.index[client]
         picks = torch.randint(len(rows), (self.b,), generator=self.generator)
-        chosen = rows[picks]
+        chosen = rows[picks].to(self.device)
         return self.x[chosen], self.y[chosen]
 
     def client_update(self, client: int):
@@ -553,7 +565,9 @@ class Peer:
             if isinstance(opt, Sophia) and opt.needs_hessian():
                 grads = torch.autograd.grad(loss, params, create_graph=True)
                 probes = [
-                    torch.randint(0, 2, p.shape, generator=self.generator).float() * 2 - 1
+                    (torch.randint(0, 2, p.shape, generator=self.generator).float() * 2 - 1).to(
+                        self.device
+                    )
                     for p in params
                 ]
                 hvps = torch.autograd.grad(grads, params, grad_outputs=probes)

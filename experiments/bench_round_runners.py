@@ -243,7 +243,9 @@ class TorchRunner:
 
         peer_lib = load_torch_peer()
         torch.set_num_threads(cpu_threads())
-        self.settings = {"strategy": "python loop", "conv_impl": "torch", "unroll": "-"}
+        self.device = torch_device()
+        where = "" if self.device == "cpu" else f" ({self.device})"
+        self.settings = {"strategy": "python loop" + where, "conv_impl": "torch", "unroll": "-"}
         x, y, partition = data
         workload = case.workload
         torch.manual_seed(0)
@@ -262,11 +264,14 @@ class TorchRunner:
             batch_size=case.batch_size,
             learning_rate=case.optim["learning_rate"],
             beta=FEDPAC_BETA,
+            device=self.device,
         )
 
     def run(self) -> float:
+        self.peer.synchronize()
         start = time.perf_counter()
         self.peer.run_round()
+        self.peer.synchronize()
         return time.perf_counter() - start
 
     def warmup(self) -> dict[str, Any]:
@@ -274,6 +279,13 @@ class TorchRunner:
 
     def finish(self) -> dict[str, Any]:
         return {}
+
+
+def torch_device() -> str:
+    """``"cuda"`` when JAX runs on a GPU and torch sees one (the peer then shares it), else CPU."""
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
 
 
 def load_torch_peer():

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench, bench_round
+from experiments import bench, bench_round, bench_round_runners
 from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.round import resolve_strategy
@@ -143,9 +143,12 @@ def test_peer_fedavg_round_equals_numpy_sgd():
     lr, steps = 0.3, 2
     peer = torch_peer.Peer(
         model, "fedavg", torch.from_numpy(x), torch.from_numpy(y), [np.array([0]), np.array([1])],
-        clients_per_round=2, local_steps=steps, batch_size=3, learning_rate=lr,
+        clients_per_round=2, local_steps=steps, batch_size=3, learning_rate=lr, device="cpu",
     )  # fmt: skip
+    # The bench shares JAX's device with the peer: the CPU here (cuda on a GPU machine).
+    assert bench_round_runners.torch_device() == "cpu" and peer.x.device.type == "cpu"
     peer.run_round()
+    peer.synchronize()
     finals = []
     for client in range(2):
         w, b = w0.copy(), b0.copy()
