@@ -24,4 +24,7 @@ def get_config(arg: str | None = None):
     config.optim.name = "muon"
     config.optim.learning_rate = 0.02  # base: 0.05
     config.optim.beta = 0.9  # Muon momentum (Table 8's beta1)
+    # One batched Newton–Schulz per group of equal-shape matrices (fedorth.optim.muon.
+    # orthogonalize_tree): same directions; slower on CPU, for accelerators (docs/PERFORMANCE.md).
+    config.optim.group_shapes = False
     return presets.select(config, arg, PRESETS, "fedpac_muon")

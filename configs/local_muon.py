@@ -54,5 +54,8 @@ def get_config(arg: str | None = None):
     config.optim.name = "muon"
     config.optim.learning_rate = 0.05  # base: 0.05 (kept)
     config.optim.beta = 0.95  # Muon momentum (Nesterov)
+    # One batched Newton–Schulz per group of equal-shape matrices (fedorth.optim.muon.
+    # orthogonalize_tree): same directions; slower on CPU, for accelerators (docs/PERFORMANCE.md).
+    config.optim.group_shapes = False
     config.optim.fallback_lr_ratio = 1.0  # Adam on biases at the same lr
     return presets.select(config, arg, PRESETS, "local_muon")

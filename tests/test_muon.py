@@ -17,7 +17,14 @@ from optim_battery import (
 )
 from test_newton_schulz import conditioned, np_newton_schulz
 
-from fedorth.optim import lmo, muon, ns_coefficients, scale_by_lmo, scale_by_muon
+from fedorth.optim import (
+    lmo,
+    muon,
+    ns_coefficients,
+    orthogonalize_tree,
+    scale_by_lmo,
+    scale_by_muon,
+)
 
 SHAPES = {"wide": (8, 24), "tall": (24, 8), "conv": (3, 3, 4, 8)}
 
@@ -88,6 +95,49 @@ def test_scale_by_muon_matches_float64_numpy(nesterov, ema):
             assert updates[k].shape == SHAPES[k] and updates[k].dtype == jnp.float32
             # float32 vs float64 through five NS steps: round-off level.
             assert_rel_close(updates[k], ref[t][k], 2e-5, f"step {t} leaf {k}")
+
+
+# Groups of matrix views: two (8, 24) leaves; the (24, 8) leaf alone; the (3, 3, 8, 8) conv and
+# the (72, 8) matrix share the (72, 8) view.
+GROUP_SHAPES = {"a": (8, 24), "b": (8, 24), "tall": (24, 8), "c": (3, 3, 8, 8), "d": (72, 8)}
+
+
+def test_grouped_newton_schulz_equals_float64_numpy_per_leaf():
+    """group_shapes=True stacks equal matrix views but normalizes each matrix by its own norm:
+    every leaf equals its own float64 NumPy iteration, and the per-leaf path to round-off."""
+    tree = random_tree(jax.random.key(7), GROUP_SHAPES, num=1)[0]
+    tree["d"] = 100.0 * tree["d"]  # a different norm inside a group
+    grouped = jax.jit(lambda t: orthogonalize_tree(t, group_shapes=True))(tree)
+    single = jax.jit(lambda t: orthogonalize_tree(t, group_shapes=False))(tree)
+    for k in GROUP_SHAPES:
+        assert grouped[k].shape == GROUP_SHAPES[k]
+        assert_rel_close(grouped[k], np_orthogonalize(tree[k], 5, "jordan", 1e-7), 2e-5, k)
+        assert_rel_close(grouped[k], single[k], 1e-6, f"{k}: grouped vs per-leaf")
+    # Fewer, batched products: 3 groups instead of 5 leaves, 3 products per quintic step.
+    count = lambda group: str(
+        jax.make_jaxpr(lambda t: orthogonalize_tree(t, group_shapes=group))(tree)
+    ).count("dot_general")
+    assert (count(False), count(True)) == (5 * 5 * 3, 3 * 5 * 3)
+    # Under vmap over clients (the engine's layout), each client's group is its own batch.
+    clients = jax.tree.map(lambda x: jnp.stack([x, -2.0 * x]), tree)
+    batched = jax.jit(jax.vmap(lambda t: orthogonalize_tree(t, group_shapes=True)))(clients)
+    for k in GROUP_SHAPES:
+        assert_rel_close(batched[k][1], -np_orthogonalize(tree[k], 5, "jordan", 1e-7), 2e-5, k)
+
+
+def test_scale_by_muon_group_shapes_gives_the_same_updates():
+    grads_seq = random_tree(jax.random.key(8), GROUP_SHAPES, num=3)
+    runs = {}
+    for group in (False, True):
+        tx = scale_by_muon(0.9, group_shapes=group)
+        state, update, outs = tx.init(grads_seq[0]), jax.jit(tx.update), []
+        for grads in grads_seq:
+            updates, state = update(grads, state)
+            outs.append(updates)
+        runs[group] = outs
+    for t in range(3):
+        for k in GROUP_SHAPES:
+            assert_rel_close(runs[True][t][k], runs[False][t][k], 1e-6, f"step {t} leaf {k}")
 
 
 @pytest.mark.parametrize(

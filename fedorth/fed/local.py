@@ -55,8 +55,12 @@ def _muon(
     fallback_lr_ratio: float = 1.0,
     fallback_b1: float = 0.9,
     fallback_b2: float = 0.999,
+    group_shapes: bool = False,
 ):
-    """Muon on matrix leaves; Adam scaled by ``fallback_lr_ratio`` (= fallback lr / lr) else."""
+    """Muon on matrix leaves; Adam scaled by ``fallback_lr_ratio`` (= fallback lr / lr) else.
+
+    ``group_shapes``: one batched Newton–Schulz per group of equal-shape matrices
+    (``fedorth.optim.muon.orthogonalize_tree``; opt-in, for accelerators)."""
     from fedorth.optim.muon import scale_by_muon
 
     return optax.partition(
@@ -68,6 +72,7 @@ def _muon(
                 ns_steps=ns_steps,
                 ns_coeffs=ns_coeffs,
                 shape_scaling=shape_scaling,
+                group_shapes=group_shapes,
             ),
             "other": optax.chain(
                 optax.scale_by_adam(b1=fallback_b1, b2=fallback_b2), optax.scale(fallback_lr_ratio)

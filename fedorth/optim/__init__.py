@@ -8,7 +8,14 @@ from fedorth.optim.momentum_vr import (  # noqa: F401
     normalize_by_global_norm,
     running_mean,
 )
-from fedorth.optim.muon import MuonState, lmo, muon, scale_by_lmo, scale_by_muon  # noqa: F401
+from fedorth.optim.muon import (  # noqa: F401
+    MuonState,
+    lmo,
+    muon,
+    orthogonalize_tree,
+    scale_by_lmo,
+    scale_by_muon,
+)
 from fedorth.optim.newton_schulz import newton_schulz, ns_coefficients  # noqa: F401
 from fedorth.optim.soap import SoapState, average_soap_states, scale_by_soap, soap  # noqa: F401
 from fedorth.optim.sophia import SophiaState, scale_by_sophia, sophia  # noqa: F401
