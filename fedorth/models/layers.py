@@ -323,8 +323,8 @@ class Dropout(nn.Module):
     `ceil(d/2)` entries of the last axis, its high half-word the rest.
 
     Why: threefry random bits are the most expensive part of dropout on CPU; in ViT-Tiny (dropout
-    0.1 on attention probabilities, attention output and both MLP layers) `nn.Dropout` took 25% of
-    a FedAvg round on a 2-core CPU, and halving the bits made the round 1.2x faster
+    0.1 on attention probabilities, attention output and both MLP layers) `nn.Dropout` took a
+    quarter of a FedAvg round on a 2-core CPU, and halving the bits made the round 1.2x faster
     (docs/PERFORMANCE.md). The masks differ from `nn.Dropout`'s for the same key (another
     stream); everything else about dropout is unchanged.
 

@@ -12,8 +12,8 @@ parallel path from open-source builds).
 On the CPU backend these functions therefore run LAPACK on the host through
 ``jax.pure_callback`` (outside XLA's pool; SciPy's single-precision routines for float32, one
 matrix of a batch after another), and on every other backend they lower to the native
-``jnp.linalg`` kernels. The choice is made per
-platform at lowering time (``jax.lax.platform_dependent``), so one jitted function serves both.
+``jnp.linalg`` kernels. The choice is made per platform at lowering time
+(``jax.lax.platform_dependent``), so one jitted function serves both.
 The results are those of LAPACK either way (SciPy and jaxlib call the same float32 routines);
 eigenvector and singular-vector signs are LAPACK's and may differ between the two paths. (Until
 2026-11-21 the host path used ``numpy.linalg``, which computes float32 inputs in float64: about
