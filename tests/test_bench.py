@@ -316,8 +316,10 @@ def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
     algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
     results = []
     for strategy, conv_impl in (("vmap", "lax"), ("sequential", "canonical")):
+        # The first layer (1 input channel) runs im2col + dot under "canonical", the second
+        # (16 input channels) the canonical convolution with its custom VJP.
         model = models.get_model(
-            "cnn", features=(2,), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
+            "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
         )
         params, state = model.init(jax.random.key(0), x[:2])
         config = fed.RoundConfig(4, 2, 2, 0.1, strategy=strategy)
@@ -328,6 +330,22 @@ def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
         results.append(round_fn(server, data)[0].params)
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_canonical_impl_uses_the_canonical_conv_from_16_input_channels():
+    """Below CANONICAL_MIN_CHANNELS input channels "canonical" is im2col + dot (no conv op)."""
+    from fedorth.models.layers import CANONICAL_MIN_CHANNELS
+
+    assert CANONICAL_MIN_CHANNELS == 16
+    model = models.get_model("cnn", features=(16, 8), dense_sizes=(4,), conv_impl="canonical")
+    x = jnp.ones((2, 8, 8, 3))
+    params, state = model.init(jax.random.key(0), x)
+    batch = {"x": x, "y": jnp.zeros(2, jnp.int32)}
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: model.loss_fn(p, state, batch, None)[0]))(params))
+    # Conv_0 (3 input channels) is im2col + dot; Conv_1 (16) the canonical convolution: one
+    # custom-VJP call holding the forward convolution, and the two gradient convolutions.
+    assert jaxpr.count("custom_vjp_call") == 1, jaxpr.count("custom_vjp_call")
+    assert jaxpr.count("conv_general_dilated") == 3
 
 
 def test_mean_over_clients_equals_the_float64_mean():

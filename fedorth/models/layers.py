@@ -10,7 +10,9 @@ The loop slowdown comes from the *gradient* convolutions: XLA:CPU rewrites them 
 canonical form (batch-spatial-feature input, spatial-in-out kernel) with transposes at the top
 level, but not inside loop bodies (the kernel gradient ran 100x slower there). `impl="canonical"`
 keeps XLA's forward convolution and writes both gradients as canonical convolutions with explicit
-transposes (`conv_general_dilated_canonical`): fast inside loops, exact gradients.
+transposes (`conv_general_dilated_canonical`): fast inside loops, exact gradients. Layers with fewer
+than `CANONICAL_MIN_CHANNELS` (16) input channels (a network's stem) use im2col + dot under
+`"canonical"` too, where XLA:CPU's convolution is slow.
 
 `conv2d(features, kernel_size, impl=...)` returns a plain `flax.linen.Conv` in every case (only its
 `conv_general_dilated` is swapped), so the parameter tree (`kernel` of shape `(kh, kw, in, out)`,
@@ -265,10 +267,24 @@ def conv_general_dilated_canonical(
     return _canonical_conv(lhs, rhs, strides, pads, precision)
 
 
+# Layers with fewer input channels run im2col + dot under `impl="canonical"`: XLA:CPU's
+# convolution is slow for them (a 3-channel 5x5 forward took 7.5 ms per CNN step as a
+# convolution, 2.4 ms as im2col + dot; docs/PERFORMANCE.md).
+CANONICAL_MIN_CHANNELS = 16
+
+
+def _canonical_or_matmul(lhs, rhs, *args, **kwargs):
+    """`impl="canonical"`: the canonical convolution for layers with >= `CANONICAL_MIN_CHANNELS`
+    input channels, im2col + dot (`conv_general_dilated_matmul`) below that. Same results."""
+    if lhs.shape[-1] >= CANONICAL_MIN_CHANNELS:
+        return conv_general_dilated_canonical(lhs, rhs, *args, **kwargs)
+    return conv_general_dilated_matmul(lhs, rhs, *args, **kwargs)
+
+
 _CONV_FNS = {
     "lax": None,
     "matmul": conv_general_dilated_matmul,
-    "canonical": conv_general_dilated_canonical,
+    "canonical": _canonical_or_matmul,
 }
 
 
@@ -292,7 +308,9 @@ def conv2d(
       padding: as `flax.linen.Conv`.
       use_bias: add a bias.
       impl: `"lax"` (`lax.conv_general_dilated`), `"matmul"` (`conv_general_dilated_matmul`),
-        `"canonical"` (`conv_general_dilated_canonical`) or `"auto"` (`resolve_conv_impl`).
+        `"canonical"` (`conv_general_dilated_canonical` for layers with at least
+        `CANONICAL_MIN_CHANNELS` input channels, `"matmul"` for the others) or `"auto"`
+        (`resolve_conv_impl`).
       name: module name (defaults to Flax's auto-naming, `Conv_0`, ...).
       **kwargs: forwarded to `flax.linen.Conv` (e.g. `kernel_init`).
 
