@@ -44,9 +44,8 @@ class FedorthRunner:
         self.case, self.fed_data = case, fed_data
         resolved = resolve_strategy(strategy)
         self.conv_impl = conv_impl
-        if conv_impl is not None:
-            if resolve_conv_impl(conv_impl) != conv_impl:
-                conv_impl = f"{conv_impl}→{resolve_conv_impl(conv_impl)}"
+        if conv_impl is not None and resolve_conv_impl(conv_impl) != conv_impl:
+            conv_impl = f"{conv_impl}→{resolve_conv_impl(conv_impl)}"
         if resolved != strategy:
             strategy = f"{strategy}→{resolved}"
         self.settings = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}

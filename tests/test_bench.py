@@ -263,26 +263,43 @@ def test_conv_models_default_to_auto_and_match_lax():
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+def _toy_federated(example_shape, examples):
+    """Four clients with equal shares of `examples` random examples of 3 classes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((examples, *example_shape)).astype(np.float32)
+    y = rng.integers(0, 3, examples)
+    parts = np.split(np.arange(examples), 4)
+    return x, make_federated(x, y, x[:4], y[:4], parts, name="t", num_classes=3)
+
+
+def _one_round_params(model, algorithm, x, data, *, strategy, local_steps, batch_size):
+    """Server params after one round (4 clients, 2 per round, lr 0.1) from `model.init(key 0)`."""
+    params, state = model.init(jax.random.key(0), x[:2])
+    config = fed.RoundConfig(4, 2, local_steps, 0.1, strategy=strategy)
+    round_fn = fed.make_round_fn(
+        algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, batch_size), config
+    )
+    server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
+    return round_fn(server, data)[0].params
+
+
+def _assert_trees_close(a, b, rtol, atol):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
+
+
 def test_auto_strategy_resolves_per_backend_and_keeps_the_round():
     """ "auto" is "sequential" on CPU and gives the round of the explicit strategies."""
     assert resolve_strategy("auto") == "sequential" and resolve_strategy("vmap") == "vmap"
     assert fed.RoundConfig(4, 2, 3, 0.1).strategy == "auto"
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((40, 6)).astype(np.float32), rng.integers(0, 3, 40)
-    data = make_federated(x, y, x[:4], y[:4], np.split(np.arange(40), 4), name="t", num_classes=3)
+    x, data = _toy_federated((6,), 40)
     model = models.get_model("mlp", hidden_sizes=(8,), num_classes=3)
-    params, state = model.init(jax.random.key(0), x[:2])
     algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
-    results = []
-    for strategy in ("vmap", "auto"):
-        config = fed.RoundConfig(4, 2, 3, 0.1, strategy=strategy)
-        round_fn = fed.make_round_fn(
-            algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, 5), config
-        )
-        server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
-        results.append(round_fn(server, data)[0].params)
-    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    vmap, auto = (
+        _one_round_params(model, algorithm, x, data, strategy=s, local_steps=3, batch_size=5)
+        for s in ("vmap", "auto")
+    )
+    _assert_trees_close(vmap, auto, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -310,9 +327,7 @@ def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel)
 
 def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
     """The opt-in canonical convolution (sequential clients) gives the round of nn.Conv."""
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((16, 8, 8, 1)).astype(np.float32), rng.integers(0, 3, 16)
-    data = make_federated(x, y, x[:4], y[:4], np.split(np.arange(16), 4), name="t", num_classes=3)
+    x, data = _toy_federated((8, 8, 1), 16)
     algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
     results = []
     for strategy, conv_impl in (("vmap", "lax"), ("sequential", "canonical")):
@@ -321,15 +336,12 @@ def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
         model = models.get_model(
             "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
         )
-        params, state = model.init(jax.random.key(0), x[:2])
-        config = fed.RoundConfig(4, 2, 2, 0.1, strategy=strategy)
-        round_fn = fed.make_round_fn(
-            algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, 4), config
+        results.append(
+            _one_round_params(
+                model, algorithm, x, data, strategy=strategy, local_steps=2, batch_size=4
+            )
         )
-        server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
-        results.append(round_fn(server, data)[0].params)
-    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
 
 
 def test_canonical_impl_uses_the_canonical_conv_from_16_input_channels():
@@ -365,20 +377,12 @@ def test_mean_over_clients_equals_the_float64_mean():
 def test_default_conv_supports_forward_mode_optimizers_in_a_sequential_round():
     """Sophia's Hessian-vector products (jvp of grad) run through the default conv (auto) in the
     default (sequential) round and equal the vmap round; a custom VJP could not do this."""
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((16, 8, 8, 1)).astype(np.float32), rng.integers(0, 3, 16)
-    data = make_federated(x, y, x[:4], y[:4], np.split(np.arange(16), 4), name="t", num_classes=3)
+    x, data = _toy_federated((8, 8, 1), 16)
     optim = {"name": "sophia", "learning_rate": 0.1, "update_interval": 1}
     algorithm = fed.get_algorithm("fedavg", optim)
     model = models.get_model("cnn", features=(2,), dense_sizes=(4,), num_classes=3)
-    params, state = model.init(jax.random.key(0), x[:2])
-    results = []
-    for strategy in ("vmap", "sequential"):
-        config = fed.RoundConfig(4, 2, 2, 0.1, strategy=strategy)
-        round_fn = fed.make_round_fn(
-            algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, 4), config
-        )
-        server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
-        results.append(round_fn(server, data)[0].params)
-    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    vmap, sequential = (
+        _one_round_params(model, algorithm, x, data, strategy=s, local_steps=2, batch_size=4)
+        for s in ("vmap", "sequential")
+    )
+    _assert_trees_close(vmap, sequential, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,7 @@
 """Per-round federated metrics: client drift, preconditioner drift, communication cost.
 
 * Client drift: root mean square over sampled clients of ``||dx_i - mean_j dx_j||`` and the
-  mean cosine
-  similarity between the updates of two different clients.
+  mean cosine similarity between the updates of two different clients.
 * Preconditioner drift, seed 004 Definition 1 / Eq. (7): the mean squared distance of the
   clients' optimizer states to their average, ``(1/S) sum_i ||Theta_i - Theta-bar||^2``, over the
   leaves a client uploads; and the spectral version of its Figure 3, ``(1/S) sum_i sum_l

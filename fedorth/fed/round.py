@@ -229,14 +229,13 @@ def _run_clients(
     finish, so the averaged outputs are never stacked over clients (docs/PERFORMANCE.md).
     """
     strategy = resolve_strategy(config.strategy)
-    if strategy in ("vmap", "sharded"):
-        if strategy == "sharded":
-            xs = jax.lax.with_sharding_constraint(xs, _client_axis_sharding(config))
+    if strategy == "vmap":
         averaged, stacked = jax.vmap(fn)(xs)
-        if strategy == "sharded":
-            averaged, stacked = jax.lax.with_sharding_constraint(
-                (averaged, stacked), _client_axis_sharding(config)
-            )
+        return reduce.from_stack(averaged, spread, direction), stacked
+    if strategy == "sharded":
+        sharding = _client_axis_sharding(config)
+        xs = jax.lax.with_sharding_constraint(xs, sharding)
+        averaged, stacked = jax.lax.with_sharding_constraint(jax.vmap(fn)(xs), sharding)
         return reduce.from_stack(averaged, spread, direction), stacked
     s = jax.tree.leaves(xs)[0].shape[0]
     chunk = 1 if strategy == "sequential" else min(config.chunk_size, s)
