@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench import median_seconds
 from experiments.bench_round_common import WORKLOADS, build_model, make_data, peak_memory
 from fedorth import fed
 from fedorth.data.federated import make_federated, sample_batch
@@ -90,14 +90,9 @@ def memory_section(*, num_clients: int, clients_per_round: int, quick: bool) -> 
 
 
 def _median_ms(fn, *args, repeats: int) -> float:
+    """Median ms of the jitted `fn(*args)` after one warm-up call (`bench.median_seconds`)."""
     fn = jax.jit(fn)
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(lambda: fn(*args), repeats=repeats, warmup=1)
 
 
 def micro_section(*, repeats: int, quick: bool) -> dict[str, Any]:
