@@ -44,8 +44,11 @@ class FedorthRunner:
         self.case, self.fed_data = case, fed_data
         resolved = resolve_strategy(strategy)
         self.conv_impl = conv_impl
-        if conv_impl is not None and resolve_conv_impl(conv_impl) != conv_impl:
-            conv_impl = f"{conv_impl}→{resolve_conv_impl(conv_impl)}"
+        # What the round's gradient convolutions are: the engine declares the sequential client
+        # loop unbatched and reverse-mode (layers.conv_trace_mode).
+        mode = "reverse_unbatched" if resolved == "sequential" else None
+        if conv_impl is not None and resolve_conv_impl(conv_impl, mode) != conv_impl:
+            conv_impl = f"{conv_impl}→{resolve_conv_impl(conv_impl, mode)}"
         if resolved != strategy:
             strategy = f"{strategy}→{resolved}"
         self.settings = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}

@@ -376,13 +376,53 @@ def test_mean_over_clients_equals_the_float64_mean():
 
 def test_default_conv_supports_forward_mode_optimizers_in_a_sequential_round():
     """Sophia's Hessian-vector products (jvp of grad) run through the default conv (auto) in the
-    default (sequential) round and equal the vmap round; a custom VJP could not do this."""
+    default (sequential) round, where the gradient's wide layer is the custom-VJP canonical
+    convolution (no forward mode: the objective handed to Sophia is traced with im2col + dot,
+    layers.conv_trace_mode("forward")); the round equals the vmap round of nn.Conv. Explicit
+    "canonical" takes the same path."""
     x, data = _toy_federated((8, 8, 1), 16)
     optim = {"name": "sophia", "learning_rate": 0.1, "update_interval": 1}
     algorithm = fed.get_algorithm("fedavg", optim)
-    model = models.get_model("cnn", features=(2,), dense_sizes=(4,), num_classes=3)
-    vmap, sequential = (
-        _one_round_params(model, algorithm, x, data, strategy=s, local_steps=2, batch_size=4)
-        for s in ("vmap", "sequential")
+    results = []
+    for strategy, conv_impl in (("vmap", "lax"), ("sequential", "auto"), ("auto", "canonical")):
+        model = models.get_model(
+            "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
+        )
+        results.append(
+            _one_round_params(
+                model, algorithm, x, data, strategy=strategy, local_steps=2, batch_size=4
+            )
+        )
+    _assert_trees_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+    _assert_trees_close(results[0], results[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "strategy, optim, custom_vjp_calls",
+    [("sequential", "sgd", 1), ("sequential", "sophia", 1), ("vmap", "sgd", 0),
+     ("chunked", "sgd", 0)],
+)  # fmt: skip
+def test_auto_conv_is_canonical_only_in_the_sequential_client_loop(
+    strategy, optim, custom_vjp_calls
+):
+    """conv_impl="auto" on CPU: the canonical convolution (a custom-VJP call, for the layer with
+    16 input channels) in the sequential round's gradient, im2col + dot under vmap/chunked (where
+    it would be a grouped convolution) and in Sophia's Hessian-vector products (forward mode)."""
+    x, data = _toy_federated((8, 8, 1), 16)
+    model = models.get_model("cnn", features=(16, 16), dense_sizes=(4,), num_classes=3)
+    params, state = model.init(jax.random.key(0), x[:2])
+    algorithm = fed.get_algorithm("fedavg", {"name": optim, "learning_rate": 0.1})
+    config = fed.RoundConfig(4, 2, 2, 0.1, strategy=strategy, chunk_size=2)
+    round_fn = fed.make_round_fn(
+        algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, 4), config
     )
-    _assert_trees_close(vmap, sequential, rtol=1e-5, atol=1e-6)
+    server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
+    jaxpr = str(jax.make_jaxpr(round_fn)(server, data))
+    assert jaxpr.count("custom_vjp_call") == custom_vjp_calls, jaxpr.count("custom_vjp_call")
+    # Outside the round, nothing is declared: "auto" is im2col + dot (any transformation).
+    grads = jax.make_jaxpr(
+        jax.grad(
+            lambda p: model.loss_fn(p, state, {"x": x[:2], "y": jnp.zeros(2, jnp.int32)}, None)[0]
+        )
+    )(params)
+    assert str(grads).count("custom_vjp_call") == 0

@@ -21,6 +21,7 @@ from fedorth.models.layers import (
     Dropout,
     avg_pool,
     conv2d,
+    conv_trace_mode,
     dropout_mask_apply,
     max_pool,
     resolve_conv_impl,
@@ -312,6 +313,32 @@ def test_auto_conv_impl_is_matmul_on_cpu():
     assert [resolve_conv_impl(i) for i in ("lax", "matmul")] == ["lax", "matmul"]
     with pytest.raises(ValueError, match="conv_impl"):
         resolve_conv_impl("winograd")
+
+
+def test_conv_trace_mode_steers_auto_and_canonical():
+    """ "auto" is the canonical convolution on CPU only where the engine declares unbatched,
+    reverse-mode-only use; "canonical" (custom VJP, no jvp) is im2col + dot where forward mode
+    is declared; the context nests and resets."""
+    expected = {
+        None: {"auto": "matmul", "canonical": "canonical", "lax": "lax", "matmul": "matmul"},
+        "reverse_unbatched": {"auto": "canonical", "canonical": "canonical"},
+        "forward": {"auto": "matmul", "canonical": "matmul", "lax": "lax"},
+    }
+    for mode, table in expected.items():
+        for impl, resolved in table.items():
+            assert resolve_conv_impl(impl, mode) == resolved, (impl, mode)
+            with conv_trace_mode(mode):
+                assert resolve_conv_impl(impl) == resolved, (impl, mode)
+    with conv_trace_mode("reverse_unbatched"):
+        with conv_trace_mode("forward"):
+            assert resolve_conv_impl("auto") == "matmul"
+        assert resolve_conv_impl("auto") == "canonical"
+    assert resolve_conv_impl("auto") == "matmul"
+    with pytest.raises(ValueError, match="conv_trace_mode"):
+        with conv_trace_mode("batched"):
+            pass
+    with pytest.raises(ValueError, match="mode"):
+        resolve_conv_impl("auto", "batched")
 
 
 @pytest.mark.parametrize("window", [(2, 2), (3, 2)])

@@ -51,6 +51,7 @@ from fedorth.fed.state import (
     stack_clients,
     zeros_like_tree,
 )
+from fedorth.models import layers
 from fedorth.optim import federated as fed_optim
 
 PyTree = Any
@@ -250,7 +251,11 @@ def _run_clients(
                 stats, reduce.from_one(averaged, spread, direction), spread
             ), stacked
 
-        return jax.lax.scan(body, start, xs)
+        # One client at a time, reverse-mode gradients: models with conv_impl="auto" may use
+        # the canonical convolution on CPU (layers.resolve_conv_impl). The scan traces its
+        # body here, inside the context.
+        with layers.conv_trace_mode("reverse_unbatched"):
+            return jax.lax.scan(body, start, xs)
 
     def body_chunk(stats, x):
         averaged, stacked = jax.vmap(fn)(x)
@@ -339,7 +344,11 @@ def make_round_fn(
             )
 
             def obj_fn(p):
-                return loss_fn(p, model_state, batch, model_key)[0]
+                # The local optimizer may take forward-mode derivatives of the objective
+                # (Sophia's Hessian-vector products are forward-over-reverse): no custom-VJP
+                # convolutions in its trace (layers.conv_trace_mode).
+                with layers.conv_trace_mode("forward"):
+                    return loss_fn(p, model_state, batch, model_key)[0]
 
             updates, opt_state = tx.update(
                 grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras

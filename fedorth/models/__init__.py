@@ -12,8 +12,9 @@
 | llama | LLaMA decoder (tiny/60m/130m/350m) | seed 004 §6.3 (GaLore shapes) |
 | auc | any binary classifier under the min-max AUC loss (Eq. 20) | seed 003 §5 |
 
-Conv models take `conv_impl="lax"|"matmul"|"auto"` (default "auto": matmul on CPU, lax elsewhere;
-fedorth.models.layers explains why).
+Conv models take `conv_impl="lax"|"matmul"|"canonical"|"auto"` (default "auto": on CPU the
+canonical convolution in the engine's sequential client loop and im2col + dot elsewhere, lax on
+other backends; fedorth.models.layers explains why).
 """
 
 from collections.abc import Callable

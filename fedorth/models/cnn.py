@@ -23,7 +23,7 @@ class CNN(nn.Module):
       num_classes: output logits.
       features: channels of the convolutions.
       dense_sizes: widths of the hidden dense layers.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere; same
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`; same
         parameters).
     """
 
@@ -60,7 +60,7 @@ def cnn(
       num_classes: number of classes.
       features: convolution channels.
       dense_sizes: hidden dense widths.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere).
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`).
 
     Returns:
       A classification `Model`.

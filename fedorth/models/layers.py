@@ -17,13 +17,19 @@ than `CANONICAL_MIN_CHANNELS` (16) input channels (a network's stem) use im2col 
 `conv2d(features, kernel_size, impl=...)` returns a plain `flax.linen.Conv` in every case (only its
 `conv_general_dilated` is swapped), so the parameter tree (`kernel` of shape `(kh, kw, in, out)`,
 `bias`) is identical and checkpoints are interchangeable between the implementations.
-`impl="auto"` picks per backend when the module is traced (`resolve_conv_impl`): `"matmul"` on CPU
-(fast in loops and under `vmap`, any autodiff mode), `"lax"` elsewhere. `"canonical"` is an
-opt-in for CPU training with the `"sequential"` strategy and first-order optimizers: its custom
-VJP admits no forward-mode autodiff (Sophia's Hessian-vector products) and it becomes a grouped
-convolution under `vmap`. docs/PERFORMANCE.md has the measurements.
+`impl="auto"` picks when the module is traced (`resolve_conv_impl`): on CPU the canonical
+convolution (per layer, as above) where the round engine declares that clients run one at a time
+and are only differentiated in reverse mode (`conv_trace_mode("reverse_unbatched")`, the
+`"sequential"` strategy), im2col + dot everywhere else (fast in loops and under `vmap`, any
+autodiff mode); `"lax"` on other backends. The canonical convolution's custom VJP admits no
+forward-mode autodiff and becomes a grouped convolution under `vmap`, hence the declaration;
+inside `conv_trace_mode("forward")` (the objective the engine hands to Sophia for its
+Hessian-vector products) `"canonical"` falls back to im2col + dot. docs/PERFORMANCE.md has the
+measurements.
 """
 
+import contextlib
+import contextvars
 from collections.abc import Sequence
 from functools import partial
 
@@ -47,21 +53,71 @@ def as_float(x: jnp.ndarray) -> jnp.ndarray:
     return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32)
 
 
-def resolve_conv_impl(impl: str) -> str:
-    """`"auto"` → `"matmul"` on the CPU backend, `"lax"` on the others; other values unchanged.
+# What the convolutions traced inside a context are used for (`conv_trace_mode`): None (not known),
+# "reverse_unbatched" (one client at a time, reverse-mode gradients only: the engine's sequential
+# client loop) or "forward" (a forward-mode derivative will be taken: Sophia's Hessian-vector
+# products).
+CONV_TRACE_MODES = (None, "reverse_unbatched", "forward")
+_CONV_TRACE_MODE: contextvars.ContextVar = contextvars.ContextVar(
+    "fedorth_conv_trace_mode", default=None
+)
 
-    On XLA:CPU, `lax.conv_general_dilated`'s gradients inside a loop body (the local-step
-    `lax.scan`, the client loop of sequential/chunked rounds) are 10-100x slower than at
-    the top level (jax-ml/jax#12868), and under `vmap` over clients convolutions become slow
-    grouped convolutions; im2col + dot is fast in both places and supports every autodiff mode.
-    `"canonical"` is faster still for unbatched first-order training but is not the default
-    (module docstring; docs/PERFORMANCE.md). GPU/TPU convolutions are fast either way, so the
-    native convolution is kept there. The backend is `jax.default_backend()` at trace time.
+
+@contextlib.contextmanager
+def conv_trace_mode(mode: str | None):
+    """Declares, while a model is traced inside it, how its convolutions will be transformed.
+
+    `"reverse_unbatched"`: they run unbatched (no `vmap` over them) and are differentiated in
+    reverse mode only, so `impl="auto"` may pick the canonical convolution on CPU
+    (`resolve_conv_impl`); the round engine enters it around the sequential strategy's client
+    loop. `"forward"`: a forward-mode derivative will be taken (jvp, e.g. forward-over-reverse
+    Hessian-vector products), so the custom-VJP canonical convolution is replaced by im2col + dot
+    (same values); the engine enters it around the objective it hands to the local optimizer.
+    `None` resets to "not known". The mode is read when a convolution layer is traced, so enter
+    it inside the function that is jitted (a jit cache does not see it).
+    """
+    check_choice("conv_trace_mode", mode, CONV_TRACE_MODES)
+    token = _CONV_TRACE_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _CONV_TRACE_MODE.reset(token)
+
+
+def resolve_conv_impl(impl: str, mode: str | None = "context") -> str:
+    """What `impl` stands for when traced now: resolves `"auto"` and guards `"canonical"`.
+
+    `"auto"` on the CPU backend is `"canonical"` (per layer: the canonical convolution for layers
+    with at least `CANONICAL_MIN_CHANNELS` input channels, im2col + dot below) inside
+    `conv_trace_mode("reverse_unbatched")` and `"matmul"` (im2col + dot) otherwise; on other
+    backends it is `"lax"`. Why: on XLA:CPU, `lax.conv_general_dilated`'s gradients inside a loop
+    body (the local-step `lax.scan`, the client loop of sequential/chunked rounds) are 10-100x
+    slower than at the top level (jax-ml/jax#12868), and under `vmap` over clients convolutions
+    become slow grouped convolutions. im2col + dot is fast in both places and supports every
+    autodiff mode; the canonical convolution is faster (ResNet-18 FedAvg rounds 1.3x,
+    docs/PERFORMANCE.md) but has a custom VJP, so no forward mode, and is grouped under `vmap`:
+    it is picked only where the round engine declares neither happens. GPU/TPU convolutions are
+    fast either way, so the native convolution is kept there.
+
+    `"canonical"` becomes `"matmul"` inside `conv_trace_mode("forward")` (same values; a custom
+    VJP admits no jvp). Other values are returned unchanged.
+
+    Args:
+      impl: one of `CONV_IMPLS`.
+      mode: a `CONV_TRACE_MODES` value, or `"context"` (the default) for the enclosing
+        `conv_trace_mode`. The backend is `jax.default_backend()` at call time.
     """
     check_choice("conv_impl", impl, CONV_IMPLS)
-    if impl != "auto":
-        return impl
-    return "matmul" if jax.default_backend() == "cpu" else "lax"
+    if mode == "context":
+        mode = _CONV_TRACE_MODE.get()
+    check_choice("mode", mode, CONV_TRACE_MODES)
+    if impl == "auto":
+        if jax.default_backend() != "cpu":
+            return "lax"
+        return "canonical" if mode == "reverse_unbatched" else "matmul"
+    if impl == "canonical" and mode == "forward":
+        return "matmul"
+    return impl
 
 
 def _explicit_padding(padding, in_spatial, window, strides) -> list[tuple[int, int]]:

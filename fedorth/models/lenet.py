@@ -27,7 +27,7 @@ class LeNet5(nn.Module):
 
     Attributes:
       num_classes: output logits.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere; see
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`; see
         fedorth.models.layers; same parameters).
       activation: `"relu"` or `"tanh"`.
       pool: `"max"` or `"avg"` (2×2, stride 2).
@@ -66,7 +66,7 @@ def lenet5(
 
     Args:
       num_classes: number of classes.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere).
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`).
       activation: `"relu"` (default) or `"tanh"`.
       pool: `"max"` (default) or `"avg"`.
 

@@ -60,7 +60,7 @@ class ResNet18(nn.Module):
       num_groups: groups of GroupNorm (ignored for BatchNorm).
       width: channel multiplier (1.0 is the standard 64-128-256-512 network).
       stage_sizes: blocks per stage.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere; same
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`; same
         parameters).
     """
 
@@ -116,7 +116,7 @@ def resnet18(
       norm: `"batch"` (seed 004) or `"group"` (seed 001).
       num_groups: GroupNorm groups (2, after Hsieh et al. 2020, whom seed 001 follows).
       width: channel multiplier.
-      conv_impl: `"lax"`, `"matmul"` or `"auto"` (matmul on CPU, lax elsewhere).
+      conv_impl: `"lax"`, `"matmul"`, `"canonical"` or `"auto"` (`layers.resolve_conv_impl`).
 
     Returns:
       A classification `Model`; with `norm="batch"` its `model_state` is `{"batch_stats": ...}`.

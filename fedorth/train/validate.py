@@ -220,7 +220,7 @@ def _check_fed(c: _Checker, config) -> None:
         1,
         why=" (batches are drawn with replacement, so it may exceed a client's size)",
     )
-    strategy = cfg.get("strategy", "vmap")
+    strategy = cfg.get("strategy", "auto")
     c.choice("fed.strategy", strategy, fed.STRATEGIES)
     chunk = cfg.get("chunk_size")
     if strategy == "chunked":
@@ -263,7 +263,7 @@ def _check_builds(c: _Checker, config) -> None:
             clients_per_round=int(config.fed.clients_per_round),
             local_steps=int(config.fed.local_steps),
             learning_rate=float(config.optim.learning_rate),
-            strategy=config.fed.get("strategy", "vmap"),
+            strategy=config.fed.get("strategy", "auto"),
             chunk_size=config.fed.get("chunk_size"),
         ).validate(algorithm)
     except (ValueError, TypeError) as e:
