@@ -41,8 +41,18 @@ def main(argv):
 
         # Arguments left as None are detected from the cluster (SLURM, Open MPI, TPU pods).
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    config = _CONFIG.value
+    dropped = train.drop_keys_of_another_model(
+        config, config_flags.get_override_values(flags.FLAGS["config"])
+    )
+    if dropped:
+        print(
+            f"note: --config.model.name={config.model.name}: the config file's {dropped} "
+            "are not arguments of that model and were dropped.",
+            file=sys.stderr,
+        )
     try:
-        train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+        train.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except train.USER_ERRORS as e:  # bad input: the message says what to do, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, train.ConfigError) else 1)

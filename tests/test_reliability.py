@@ -230,6 +230,41 @@ def test_cli_rejects_unknown_config_key(tmp_path):
     assert_documented(CLI_TYPO, expected, tmp_path)
 
 
+def test_model_name_override_drops_the_files_keys_of_another_model():
+    """--config.model.name=cnn on an MLP config: the file's hidden_sizes is dropped (a locked
+    config cannot lose keys on the command line); keys given on the command line are kept and
+    still checked; without a model.name override nothing changes."""
+    config = tiny_config(**{"model.name": "cnn"})
+    config.lock()
+    assert validate.drop_keys_of_another_model(config, {"model.name": "cnn"}) == [
+        "model.hidden_sizes"
+    ]
+    assert sorted(config.model.keys()) == ["name"]
+    validate.validate(config)
+
+    config = tiny_config(**{"model.name": "cnn"})
+    kept = {"model.name": "cnn", "model.hidden_sizes": (3,)}
+    assert validate.drop_keys_of_another_model(config, kept) == []
+    assert "model has unknown keys ['hidden_sizes']" in config_error({"model.name": "cnn"})
+
+    config = tiny_config()
+    assert validate.drop_keys_of_another_model(config, {"fed.rounds": 2}) == []
+    assert validate.drop_keys_of_another_model(config, {"model.name": "mlp"}) == []
+    assert config.model.hidden_sizes == (16,)
+
+
+def test_cli_model_name_override_switches_the_model(tmp_path):
+    # fed.rounds=0 stops at validation: it shows which model keys survive without a run.
+    args = ["--config.model.name=cnn", "--config.fed.rounds=0"]
+    out = subprocess.run(cli(tmp_path / "w", *args), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "the config file's ['model.hidden_sizes'] are not arguments" in out.stderr, out.stderr
+    assert "fed.rounds=0 is out of range" in out.stderr and "unknown keys" not in out.stderr
+    args = [*args, "--config.model.hidden_sizes=3"]
+    out = subprocess.run(cli(tmp_path / "w", *args), cwd=REPO, capture_output=True, text=True)
+    assert "model has unknown keys ['hidden_sizes']" in out.stderr, out.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Missing data, no network: one paragraph naming the dataset, the folder and the command.
 

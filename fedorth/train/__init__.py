@@ -6,4 +6,8 @@ from fedorth.train.loop import (  # noqa: F401
     WorkdirConflictError,
     run,
 )
-from fedorth.train.validate import ConfigError, flags_parser  # noqa: F401
+from fedorth.train.validate import (  # noqa: F401
+    ConfigError,
+    drop_keys_of_another_model,
+    flags_parser,
+)

@@ -343,6 +343,42 @@ def unknown_override_message(argv: list[str]) -> str | None:
     return None
 
 
+def drop_keys_of_another_model(config, overrides: Mapping[str, Any]) -> list[str]:
+    """Lets ``--config.model.name=X`` switch the model of a config file: drops the file's keys
+    that ``X`` does not take.
+
+    A config file sets the keyword arguments of its own model (``configs/base.py``: an MLP's
+    ``hidden_sizes``), and a locked config cannot lose keys on the command line, so without this
+    ``--config.model.name=cnn`` on such a file always ends in "model has unknown keys". Keys
+    given on the command line are kept (a wrong one is still reported by `validate`); nothing
+    changes unless ``model.name`` itself is among the overrides.
+
+    Args:
+      config: the parsed (locked) config; changed in place.
+      overrides: the command line's ``--config.*`` values as a flat dict (``"model.name"`` ->
+        value), as ``ml_collections.config_flags.get_override_values`` returns them.
+
+    Returns:
+      The dropped keys, prefixed ``model.``, sorted (empty if nothing was dropped).
+    """
+    if "model.name" not in overrides or "model" not in config:
+        return []
+    fn = models.MODELS.get(config.model.get("name"))
+    if fn is None:  # an unknown name: validate says so
+        return []
+    accepted = _accepted_keywords(fn, ())
+    if accepted is None:
+        return []
+    keep = {"name", "task", *accepted}
+    dropped = sorted(
+        k for k in config.model.keys() if k not in keep and f"model.{k}" not in overrides
+    )
+    with config.unlocked():
+        for key in dropped:
+            del config.model[key]
+    return [f"model.{k}" for k in dropped]
+
+
 def flags_parser(argv: list[str]) -> list[str]:
     """``absl.app.run``'s flag parser, with a one-line error for a bad ``--config.*`` override.
 
