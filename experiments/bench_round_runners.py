@@ -30,7 +30,7 @@ from experiments.bench_round_common import (
 )
 from fedorth import fed
 from fedorth.fed.metrics import tree_bytes
-from fedorth.fed.round import resolve_strategy, sample_clients
+from fedorth.fed.round import client_conv_trace_mode, resolve_strategy, sample_clients
 from fedorth.models.layers import resolve_conv_impl
 from fedorth.optim import federated as fed_optim
 
@@ -44,15 +44,6 @@ class FedorthRunner:
         self.case, self.fed_data = case, fed_data
         resolved = resolve_strategy(strategy)
         self.conv_impl = conv_impl
-        # What the round's gradient convolutions are: the engine declares the sequential client
-        # loop unbatched and reverse-mode (layers.conv_trace_mode).
-        mode = "reverse_unbatched" if resolved == "sequential" else None
-        if conv_impl is not None and resolve_conv_impl(conv_impl, mode) != conv_impl:
-            conv_impl = f"{conv_impl}→{resolve_conv_impl(conv_impl, mode)}"
-        if resolved != strategy:
-            strategy = f"{strategy}→{resolved}"
-        self.settings = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}
-        strategy = resolved
         s = case.clients_per_round
         self.model = build_model(case.workload, self.conv_impl)
         self.algorithm = fed.get_algorithm(case.algorithm, case.optim)
@@ -61,10 +52,18 @@ class FedorthRunner:
             clients_per_round=s,
             local_steps=case.local_steps,
             learning_rate=case.optim["learning_rate"],
-            strategy=strategy,
-            chunk_size=max(1, s // 2) if strategy == "chunked" else None,
+            strategy=resolved,
+            chunk_size=max(1, s // 2) if resolved == "chunked" else None,
             unroll=unroll,
         )
+        # The convolution the round's gradients use (in the mode the engine traces clients in).
+        if conv_impl is not None:
+            used = resolve_conv_impl(conv_impl, client_conv_trace_mode(config))
+            if used != conv_impl:
+                conv_impl = f"{conv_impl}→{used}"
+        if resolved != strategy:
+            strategy = f"{strategy}→{resolved}"
+        self.settings = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}
         self.round_fn = fed.make_round_fn(self.algorithm, self.model.loss_fn, case.batch_fn, config)
         x = data[0]
         self.params, model_state = self.model.init(jax.random.key(0), x[:2])

@@ -272,14 +272,20 @@ def _toy_federated(example_shape, examples):
     return x, make_federated(x, y, x[:4], y[:4], parts, name="t", num_classes=3)
 
 
-def _one_round_params(model, algorithm, x, data, *, strategy, local_steps, batch_size):
-    """Server params after one round (4 clients, 2 per round, lr 0.1) from `model.init(key 0)`."""
+def _toy_round(model, algorithm, x, *, strategy, local_steps, batch_size):
+    """(round_fn, server): 4 clients, 2 per round (chunks of 2), lr 0.1, `model.init(key 0)`."""
     params, state = model.init(jax.random.key(0), x[:2])
-    config = fed.RoundConfig(4, 2, local_steps, 0.1, strategy=strategy)
+    config = fed.RoundConfig(4, 2, local_steps, 0.1, strategy=strategy, chunk_size=2)
     round_fn = fed.make_round_fn(
         algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, batch_size), config
     )
     server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
+    return round_fn, server
+
+
+def _one_round_params(model, algorithm, x, data, **round_options):
+    """Server params after one `_toy_round`."""
+    round_fn, server = _toy_round(model, algorithm, x, **round_options)
     return round_fn(server, data)[0].params
 
 
@@ -410,19 +416,16 @@ def test_auto_conv_is_canonical_only_in_the_sequential_client_loop(
     it would be a grouped convolution) and in Sophia's Hessian-vector products (forward mode)."""
     x, data = _toy_federated((8, 8, 1), 16)
     model = models.get_model("cnn", features=(16, 16), dense_sizes=(4,), num_classes=3)
-    params, state = model.init(jax.random.key(0), x[:2])
     algorithm = fed.get_algorithm("fedavg", {"name": optim, "learning_rate": 0.1})
-    config = fed.RoundConfig(4, 2, 2, 0.1, strategy=strategy, chunk_size=2)
-    round_fn = fed.make_round_fn(
-        algorithm, model.loss_fn, lambda d, c, k: sample_batch(d, c, k, 4), config
+    round_fn, server = _toy_round(
+        model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
     )
-    server = fed.init_server(algorithm, params, state, num_clients=4, key=jax.random.key(1))
     jaxpr = str(jax.make_jaxpr(round_fn)(server, data))
     assert jaxpr.count("custom_vjp_call") == custom_vjp_calls, jaxpr.count("custom_vjp_call")
     # Outside the round, nothing is declared: "auto" is im2col + dot (any transformation).
-    grads = jax.make_jaxpr(
-        jax.grad(
-            lambda p: model.loss_fn(p, state, {"x": x[:2], "y": jnp.zeros(2, jnp.int32)}, None)[0]
-        )
-    )(params)
-    assert str(grads).count("custom_vjp_call") == 0
+    batch = {"x": x[:2], "y": jnp.zeros(2, jnp.int32)}
+
+    def loss(p):
+        return model.loss_fn(p, server.model_state, batch, None)[0]
+
+    assert str(jax.make_jaxpr(jax.grad(loss))(server.params)).count("custom_vjp_call") == 0

@@ -220,6 +220,25 @@ def _client_axis_sharding(config: RoundConfig) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec("clients"))
 
 
+def _clients_per_group(config: RoundConfig) -> int | None:
+    """Clients vmapped together on the looping strategies (1: one at a time); None when all run
+    at once (``vmap``, ``sharded``)."""
+    strategy = resolve_strategy(config.strategy)
+    if strategy in ("vmap", "sharded"):
+        return None
+    return 1 if strategy == "sequential" else min(config.chunk_size, config.clients_per_round)
+
+
+def client_conv_trace_mode(config: RoundConfig) -> str | None:
+    """The ``layers.conv_trace_mode`` a round of ``config`` traces its clients' gradients in.
+
+    ``"reverse_unbatched"`` when clients run one at a time (``"sequential"``, or chunks of one):
+    models with ``conv_impl="auto"`` then use the canonical convolution on CPU
+    (``layers.resolve_conv_impl``); None (not declared) when clients are vmapped.
+    """
+    return "reverse_unbatched" if _clients_per_group(config) == 1 else None
+
+
 def _run_clients(
     fn: Callable, xs: PyTree, config: RoundConfig, spread: dict, direction: str
 ) -> tuple[reduce.Stats, PyTree]:
@@ -239,7 +258,7 @@ def _run_clients(
         averaged, stacked = jax.lax.with_sharding_constraint(jax.vmap(fn)(xs), sharding)
         return reduce.from_stack(averaged, spread, direction), stacked
     s = jax.tree.leaves(xs)[0].shape[0]
-    chunk = 1 if strategy == "sequential" else min(config.chunk_size, s)
+    chunk = _clients_per_group(config)
     one = jax.eval_shape(fn, jax.tree.map(lambda a: a[0], xs))[0]
     start = reduce.empty(one, spread, direction)
     full, rest = divmod(s, chunk)
@@ -251,10 +270,9 @@ def _run_clients(
                 stats, reduce.from_one(averaged, spread, direction), spread
             ), stacked
 
-        # One client at a time, reverse-mode gradients: models with conv_impl="auto" may use
-        # the canonical convolution on CPU (layers.resolve_conv_impl). The scan traces its
-        # body here, inside the context.
-        with layers.conv_trace_mode("reverse_unbatched"):
+        # One client at a time: conv_impl="auto" may use the canonical convolution on CPU. The
+        # scan traces its body here, inside the context.
+        with layers.conv_trace_mode(client_conv_trace_mode(config)):
             return jax.lax.scan(body, start, xs)
 
     def body_chunk(stats, x):

@@ -169,11 +169,16 @@ def _check_data(c: _Checker, config) -> None:
             )
 
 
+# Keys of config.model that the builder reads itself instead of passing them to the model.
+_BUILDER_MODEL_KEYS = ("name", "task")
+
+
 def _check_model(c: _Checker, config) -> None:
     kwargs = _as_dict(config.model)
-    name = kwargs.pop("name", None)
+    name = kwargs.get("name")
     if c.choice("model.name", name, models.MODELS):
-        kwargs.pop("task", None)  # read by the builder, not the model
+        for key in _BUILDER_MODEL_KEYS:
+            kwargs.pop(key, None)
         c.keywords("model", kwargs, models.MODELS[name])
 
 
@@ -369,7 +374,7 @@ def drop_keys_of_another_model(config, overrides: Mapping[str, Any]) -> list[str
     accepted = _accepted_keywords(fn, ())
     if accepted is None:
         return []
-    keep = {"name", "task", *accepted}
+    keep = {*_BUILDER_MODEL_KEYS, *accepted}
     dropped = sorted(
         k for k in config.model.keys() if k not in keep and f"model.{k}" not in overrides
     )
