@@ -259,6 +259,7 @@ def run_round(argv: list[str]) -> int:
         "device": f"{device.platform}: {device.device_kind} x{jax.device_count()}",
         "cpu_threads": threads,
         "jax": jax.__version__,
+        "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "command": "python -m experiments.bench round " + " ".join(argv),
     }
     if torch_available() is None:

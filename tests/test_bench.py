@@ -9,6 +9,9 @@ and the canonical convolution give the numbers of the explicit ones.
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -79,7 +82,8 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     argv += [] if torch is not None else ["--peers", "jax_loop"]
     assert bench.main(["bench", *argv]) == 0
     result = json.loads(path.read_text())
-    for key in ("date", "device", "cpu_threads", "jax", "command", "matmul_gflops", "rows"):
+    keys = ("date", "device", "cpu_threads", "jax", "openblas_threads", "command", "rows")
+    for key in (*keys, "matmul_gflops"):
         assert key in result, key
     rows = {row["impl"]: row for row in result["rows"]}
     ours = rows["fedorth"]
@@ -96,6 +100,29 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     extra = memory["persistent_bytes_per_client"] - 2 * 4 * memory["num_params"]
     assert 0 <= extra <= 16, "fedmuon_bc keeps M_i and C_i (float32) and int32 counters per client"
     assert memory["vmap"]["train_loss_finite"]
+
+
+def test_bench_runs_host_lapack_with_one_openblas_thread_unless_told_otherwise():
+    # SOAP/FedPAC factorizations run SciPy's LAPACK on the host; with OpenBLAS's default threads
+    # they spin against XLA's (lenet5 FedPAC_SOAP 145 vs 109 ms per 2-round period, PERFORMANCE.md),
+    # so the bench must set the variable before NumPy loads, as experiments/main.py does.
+    script = (
+        "import os, sys; import experiments.bench; "
+        "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)"
+    )
+
+    def run(**extra):
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"} | extra
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        return done.stdout.split()
+
+    assert run() == ["1", "True"], "the bench did not default OPENBLAS_NUM_THREADS to 1"
+    assert run(OPENBLAS_NUM_THREADS="2") == ["2", "True"], "an explicit thread count was overridden"
+    # Order: the variable is set before any NumPy import (NumPy reads it once, when it loads).
+    source = open(bench.__file__).read()
+    assert source.index('setdefault("OPENBLAS_NUM_THREADS"') < source.index("import jax")
 
 
 def test_bad_choices_name_the_flag():
