@@ -22,19 +22,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-# Before NumPy loads, as experiments/main.py: SOAP's and FedPAC's QR/eigh run SciPy's LAPACK on the
-# host (fedorth.optim.linalg), whose OpenBLAS threads otherwise spin against XLA's own. Measured
-# on 2 cores: lenet5 FedPAC_SOAP's 2-round period 145 ms with OpenBLAS's default threads against
-# 109 ms with one (FedAvg 49 ms); `OPENBLAS_NUM_THREADS=2 python -m experiments.bench ...` opts out.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-import jax  # noqa: E402
+import jax
 import jax.numpy as jnp
 import optax
 import optax.contrib

@@ -7,14 +7,9 @@ r"""Runs one federated experiment from a config file.
 Running the same command again resumes from the newest checkpoint in ``--workdir``.
 """
 
-import os
 import sys
 
-# Before NumPy loads: fedorth.optim.linalg calls NumPy's LAPACK from XLA:CPU, whose OpenBLAS
-# threads otherwise spin against XLA's own (10-20x the CPU time on 2 cores).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from fedorth import train

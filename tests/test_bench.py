@@ -102,27 +102,27 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     assert memory["vmap"]["train_loss_finite"]
 
 
-def test_bench_runs_host_lapack_with_one_openblas_thread_unless_told_otherwise():
+def test_entry_points_run_host_lapack_with_one_openblas_thread_unless_told_otherwise():
     # SOAP/FedPAC factorizations run SciPy's LAPACK on the host; with OpenBLAS's default threads
     # they spin against XLA's (lenet5 FedPAC_SOAP 145 vs 109 ms per 2-round period, PERFORMANCE.md),
-    # so the bench must set the variable before NumPy loads, as experiments/main.py does.
-    script = (
-        "import os, sys; import experiments.bench; "
-        "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)"
-    )
-
-    def run(**extra):
+    # so every `python -m experiments.X` must set the variable before NumPy loads: the package's
+    # __init__ does it, ahead of any of its modules.
+    def run(module, **extra):
+        script = (
+            f"import os, sys; import {module}; "
+            "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)"
+        )
         env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"} | extra
         done = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
         )
         return done.stdout.split()
 
-    assert run() == ["1", "True"], "the bench did not default OPENBLAS_NUM_THREADS to 1"
-    assert run(OPENBLAS_NUM_THREADS="2") == ["2", "True"], "an explicit thread count was overridden"
-    # Order: the variable is set before any NumPy import (NumPy reads it once, when it loads).
-    source = open(bench.__file__).read()
-    assert source.index('setdefault("OPENBLAS_NUM_THREADS"') < source.index("import jax")
+    # Set before NumPy can load: importing the package alone loads no NumPy.
+    assert run("experiments") == ["1", "False"], "the package did not set the variable first"
+    for module in ("experiments.bench", "experiments.main"):
+        assert run(module) == ["1", "True"], f"{module} did not default OPENBLAS_NUM_THREADS to 1"
+        assert run(module, OPENBLAS_NUM_THREADS="2") == ["2", "True"], "an explicit value was lost"
 
 
 def test_bad_choices_name_the_flag():

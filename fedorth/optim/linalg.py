@@ -20,8 +20,9 @@ eigenvector and singular-vector signs are LAPACK's and may differ between the tw
 2x slower, e.g. a 3072² QR 2.8 s vs 1.2 s.)
 
 OpenBLAS threads spin while XLA's threads are busy: set ``OPENBLAS_NUM_THREADS=1`` before
-NumPy/SciPy are imported (``experiments/main.py`` and the tests do) -- measured 8 s instead of
-121 s of CPU for the ``local_soap`` default on 2 cores.
+NumPy/SciPy are imported (``experiments/__init__.py``, for every ``python -m experiments.*``,
+and the tests do) -- measured 8 s instead of 121 s of CPU for the ``local_soap`` default on
+2 cores.
 
 Float64 inputs use the native kernels on every backend: they only occur with ``jax_enable_x64``
 (the float64 reference tests), and under the thread-local ``jax.enable_x64`` context JAX checks a
