@@ -32,7 +32,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.fed.clients_per_round = 5  # S, sampled without replacement
     config.fed.local_steps = 10  # K
     config.fed.batch_size = 32  # local mini-batch, sampled with replacement on device
-    config.fed.strategy = "auto"  # sequential on CPU, vmap else | vmap | chunked | ...
+    config.fed.strategy = "auto"  # fed.resolve_strategy | vmap | chunked | sequential | sharded
     config.fed.chunk_size = 0  # clients per chunk for 'chunked'
     config.fed.unroll = 1  # local-step scan unroll (True avoids XLA:CPU conv-in-loop slowness)
     config.fed.options = ml_collections.ConfigDict()  # the algorithm's own options (alpha, beta)

@@ -30,7 +30,7 @@ from experiments.bench_round_common import (
 )
 from fedorth import fed
 from fedorth.fed.metrics import tree_bytes
-from fedorth.fed.round import client_conv_trace_mode, resolve_strategy, sample_clients
+from fedorth.fed.round import client_conv_trace_mode, sample_clients
 from fedorth.models.layers import resolve_conv_impl
 from fedorth.optim import federated as fed_optim
 
@@ -42,7 +42,6 @@ class FedorthRunner:
 
     def __init__(self, case: Case, data, fed_data, *, strategy, conv_impl, unroll):
         self.case, self.fed_data = case, fed_data
-        resolved = resolve_strategy(strategy)
         self.conv_impl = conv_impl
         s = case.clients_per_round
         self.model = build_model(case.workload, self.conv_impl)
@@ -52,27 +51,32 @@ class FedorthRunner:
             clients_per_round=s,
             local_steps=case.local_steps,
             learning_rate=case.optim["learning_rate"],
-            strategy=resolved,
-            chunk_size=max(1, s // 2) if resolved == "chunked" else None,
+            strategy=strategy,
+            chunk_size=max(1, s // 2),
             unroll=unroll,
         )
+        self.round_fn = fed.make_round_fn(self.algorithm, self.model.loss_fn, case.batch_fn, config)
+        resolved = self.round_fn.strategy  # "auto" resolved for this model
         # The convolution the round's gradients use (in the mode the engine traces clients in).
         if conv_impl is not None:
-            used = resolve_conv_impl(conv_impl, client_conv_trace_mode(config))
+            used = resolve_conv_impl(conv_impl, client_conv_trace_mode(self.round_fn.config))
             if used != conv_impl:
                 conv_impl = f"{conv_impl}→{used}"
         if resolved != strategy:
             strategy = f"{strategy}→{resolved}"
         self.settings = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}
-        self.round_fn = fed.make_round_fn(self.algorithm, self.model.loss_fn, case.batch_fn, config)
         x = data[0]
         self.params, model_state = self.model.init(jax.random.key(0), x[:2])
-        self.server = fed.init_server(
-            self.algorithm,
-            self.params,
-            model_state,
-            num_clients=case.num_clients,
-            key=jax.random.key(1),
+        # A sharded round reads its server state and data replicated on its mesh: placed once.
+        self.fed_data = self.round_fn.place(fed_data)
+        self.server = self.round_fn.place(
+            fed.init_server(
+                self.algorithm,
+                self.params,
+                model_state,
+                num_clients=case.num_clients,
+                key=jax.random.key(1),
+            )
         )
         self.example_batch = {
             "x": fed_data.x_train[: case.batch_size],

@@ -358,6 +358,12 @@ def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel)
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _toy_cnn(conv_impl):
+    return models.get_model(
+        "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
+    )
+
+
 def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
     """The opt-in canonical convolution (sequential clients) gives the round of nn.Conv."""
     x, data = _toy_federated((8, 8, 1), 16)
@@ -366,14 +372,35 @@ def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
     for strategy, conv_impl in (("vmap", "lax"), ("sequential", "canonical")):
         # The first layer (1 input channel) runs im2col + dot under "canonical", the second
         # (16 input channels) the canonical convolution with its custom VJP.
-        model = models.get_model(
-            "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
-        )
+        model = _toy_cnn(conv_impl)
         results.append(
             _one_round_params(
                 model, algorithm, x, data, strategy=strategy, local_steps=2, batch_size=4
             )
         )
+    _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_round_of_a_conv_model_shards_clients_and_equals_the_vmap_lax_round():
+    """On CPU with several devices, "auto" lays a convolutional model's clients over the devices
+    that divide S (here 2 of the 8 fake ones), each running its clients one at a time with the
+    canonical convolution, and reads the federated data (gathered by `sample_batch`) replicated:
+    the round equals the one-device vmap round with nn.Conv."""
+    x, data = _toy_federated((8, 8, 1), 16)
+    algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
+    results = []
+    for strategy, conv_impl in (("vmap", "lax"), ("auto", "auto")):
+        model = _toy_cnn(conv_impl)
+        round_fn, server = _toy_round(
+            model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
+        )
+        placed = round_fn.place(data)
+        for _ in range(2):
+            server, metrics = round_fn(server, placed)
+        results.append((server.params, metrics))
+    assert round_fn.strategy == "sharded"
+    assert server.params["Dense_0"]["kernel"].sharding.mesh.shape == {"clients": 2}
+    assert placed.x_train.sharding.is_fully_replicated
     _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
 
 

@@ -1,12 +1,15 @@
 """The round engine: strategies agree, one compilation, metrics and errors."""
 
+import dataclasses
+
 import fed_problems as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
-from fedorth import fed
+from fedorth import fed, models
 from fedorth.fed import metrics as fed_metrics
 
 
@@ -62,10 +65,62 @@ def test_strategies_give_the_same_server_state(alg_name):
                 jax.tree.leaves(ref.clients), jax.tree.leaves(other.clients), strict=True
             ):
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=strategy)
+    # S = 6 on 8 devices: "sharded" uses the 6 devices that divide S, one client each; their
+    # summaries are combined by all-reduces (fed.reduce.psum).
+    ref, ref_metrics = _server_after(alg, "vmap", n=n, s=6)
+    for strategy in ("sharded",):
+        other, metrics = _server_after(alg, strategy, n=n, s=6)
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other), strict=True):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=strategy)
+        for key in ref_metrics:
+            np.testing.assert_allclose(
+                ref_metrics[key], metrics[key], rtol=2e-5, atol=1e-7, err_msg=f"{strategy} {key}"
+            )
 
 
-def test_round_compiles_once():
-    """Rounds 2..R trigger no retracing (the loss is traced only while compiling round 1)."""
+def test_auto_strategy_shards_clients_over_the_devices_that_divide_s():
+    """On CPU, ``auto`` = ``sharded`` for convolutional models over the largest device count
+    dividing S (8 fake devices here); else the one-device strategy (``sequential`` on CPU)."""
+    for s, devices in [(8, 8), (6, 6), (12, 6), (9, 3), (7, 7), (16, 8)]:
+        config = fed.RoundConfig(
+            num_clients=16, clients_per_round=s, local_steps=1, learning_rate=1
+        )
+        assert fed.resolve_strategy("auto", s, convolutional=True) == "sharded", s
+        assert fed.resolve_strategy("auto", s) == "sequential", "dense models: one device"
+        assert fed.client_mesh(config).shape == {"clients": devices}, s
+    assert fed.resolve_strategy("auto", 1, convolutional=True) == "sequential"
+    assert fed.resolve_strategy("auto", convolutional=True) == "sequential", "S unknown"
+    assert fed.resolve_strategy("vmap", 8) == "vmap"
+    config = fed.RoundConfig(num_clients=16, clients_per_round=8, local_steps=1, learning_rate=1)
+    alg = fed.get_algorithm("fedavg", {"name": "sgd"})
+    round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
+    assert round_fn.strategy == "sequential", "a plain loss function: not known convolutional"
+    conv = models.get_model("cnn", num_classes=3)
+    assert conv.convolutional and not models.get_model("mlp", num_classes=3).convolutional
+    round_fn = fed.make_round_fn(alg, conv.loss_fn, fp.batch_fn, config)
+    assert round_fn.strategy == "sharded" and round_fn.config.strategy == "sharded"
+    tree = {"x": jnp.ones(3)}
+    placed = round_fn.place(tree)["x"]
+    assert placed.sharding.is_fully_replicated and len(placed.sharding.device_set) == 8
+    round_fn = fed.make_round_fn(
+        alg, conv.loss_fn, fp.batch_fn, dataclasses.replace(config, strategy="vmap")
+    )
+    assert round_fn.place(tree) is tree
+
+
+_BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: (
+        _BACKEND_COMPILES.append(name) if name.endswith("backend_compile_duration") else None
+    )
+)
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "sharded"])
+def test_round_compiles_once(strategy):
+    """Rounds 2..R trigger no retracing and no XLA compilation (the loss is traced only while
+    compiling round 1), on one device and with clients sharded over the 8 fake devices."""
     traces = []
 
     def counting_loss(params, model_state, batch, key):
@@ -74,20 +129,27 @@ def test_round_compiles_once():
 
     alg = fed.get_algorithm("fedpac", {"name": "muon"}, beta=0.5)
     config = fed.RoundConfig(
-        num_clients=4, clients_per_round=2, local_steps=2, learning_rate=lambda r: 0.1 * 0.9**r
+        num_clients=4,
+        clients_per_round=2,
+        local_steps=2,
+        learning_rate=lambda r: 0.1 * 0.9**r,
+        strategy=strategy,
     )
     server = fed.init_server(
         alg, {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}, {}, num_clients=4, key=jax.random.key(0)
     )
     round_fn = fed.make_round_fn(alg, counting_loss, fp.batch_fn, config)
-    data = jax.tree.map(jnp.asarray, fp.quadratic_clients(4))
+    data = round_fn.place(jax.tree.map(jnp.asarray, fp.quadratic_clients(4)))
     server, _ = round_fn(server, data)
-    after_first = len(traces)
+    after_first, compiles = len(traces), len(_BACKEND_COMPILES)
     assert after_first > 0
     for _ in range(4):
         server, _ = round_fn(server, data)
     assert len(traces) == after_first, "round_fn retraced after the first round"
+    assert len(_BACKEND_COMPILES) == compiles, "an XLA compilation after the first round"
     assert round_fn._cache_size() == 1
+    if strategy == "sharded":
+        assert server.params["w"].sharding.mesh.shape == {"clients": 2}, "S = 2 of 8 devices"
 
 
 def test_client_drift_and_preconditioner_drift_match_numpy():
@@ -233,6 +295,9 @@ def test_light_variant_uploads_low_rank_state():
     np.testing.assert_allclose(sv_light[0], sv_full[0], rtol=1e-5)
 
 
+_MESH8 = Mesh(np.array(jax.devices()), ("clients",))
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -240,7 +305,8 @@ def test_light_variant_uploads_low_rank_state():
         ({"local_steps": 0}, "local_steps=0 must be >= 1"),
         ({"strategy": "pmap"}, "strategy='pmap'; valid"),
         ({"strategy": "chunked"}, "chunk_size=None must be >= 1"),
-        ({"strategy": "sharded", "clients_per_round": 3}, "multiple of the 8 devices"),
+        ({"strategy": "sharded", "clients_per_round": 3, "mesh": _MESH8}, "multiple of the 8"),
+        ({"mesh": Mesh(np.array(jax.devices()), ("batch",))}, "axis named 'clients'"),
         ({"learning_rate": -1.0}, "learning_rate=-1.0 must be > 0"),
     ],
 )

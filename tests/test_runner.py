@@ -61,6 +61,7 @@ def patch_round_fn(monkeypatch, *, stop_after: int | None = None) -> list[int]:
             calls.append(int(server.round))
             return round_fn(server, data)
 
+        wrapped.place = round_fn.place  # the loop places the server state where rounds read it
         experiment.round_fn = wrapped
         return experiment
 

@@ -5,8 +5,11 @@ from fedorth.fed.algorithms import ALGORITHMS, get_algorithm  # noqa: F401
 from fedorth.fed.round import (  # noqa: F401
     STRATEGIES,
     RoundConfig,
+    RoundFn,
+    client_mesh,
     communication_bytes,
     init_server,
     make_round_fn,
+    resolve_strategy,
 )
 from fedorth.fed.state import ClientState, ServerState  # noqa: F401

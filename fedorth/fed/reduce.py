@@ -158,6 +158,34 @@ def merge(a: Stats, b: Stats, spread: dict[str, PyTree | None]) -> Stats:
     return out
 
 
+def psum(stats: Stats, spread: dict[str, PyTree | None], axis_name: str) -> Stats:
+    """The summary of the union of the groups along mesh axis ``axis_name`` (inside
+    ``shard_map``), by all-reduces: Chan et al.'s rule for ``d`` groups,
+
+    ``mean = sum_g n_g mean_g / n`` and ``m2 = sum_g (m2_g + n_g ||mean_g - mean||^2)``.
+
+    Integer leaves of the mean (schedule counters, equal on every client) keep their value.
+    """
+    count = jax.lax.psum(stats["count"], axis_name)
+    weight = stats["count"] / count
+
+    def mean_leaf(m):
+        if not fed_optim.is_float(m):
+            return m
+        return jax.lax.psum(m * weight.astype(m.dtype), axis_name)
+
+    mean = jax.tree.map(mean_leaf, stats["mean"])
+    m2 = {}
+    for name, mask in spread.items():
+        gap = _sum_sq_diff(stats["mean"][name], mean[name], mask)
+        m2[name] = jax.lax.psum(stats["m2"][name] + gap * stats["count"], axis_name)
+    out: Stats = {"count": count, "mean": mean, "m2": m2}
+    if "unit_sum" in stats:
+        out["unit_sum"] = jax.lax.psum(stats["unit_sum"], axis_name)
+        out["unit_sq"] = jax.lax.psum(stats["unit_sq"], axis_name)
+    return out
+
+
 def drift(stats: Stats, name: str, count: int) -> dict[str, jax.Array]:
     """``client_drift`` and ``client_cosine`` of group ``name`` (see ``fed.metrics``)."""
     out = {"client_drift": jnp.sqrt(stats["m2"][name] / count)}

@@ -9,9 +9,12 @@ reassociation:
 * ``"chunked"``: vmap over chunks of ``chunk_size`` clients, a ``lax.scan`` over the chunks
   (plus one remainder chunk), bounding peak memory;
 * ``"sequential"``: one client at a time inside the compiled call (``lax.scan``);
-* ``"sharded"``: the client axis is laid over the ``"clients"`` axis of a ``jax.sharding.Mesh``;
-  XLA inserts the cross-device reduction for the server average;
-* ``"auto"`` (the default): ``"sequential"`` on the CPU backend, ``"vmap"`` elsewhere
+* ``"sharded"``: the client axis is split over the ``"clients"`` axis of a
+  ``jax.sharding.Mesh`` (``jax.shard_map``); each device runs its clients as one device would
+  (one at a time on CPU, vmapped elsewhere), and the devices' summaries are combined with
+  all-reduces;
+* ``"auto"`` (the default): ``"sharded"`` when more than one device divides ``S``
+  (:func:`client_mesh`), else ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere
   (:func:`resolve_strategy`; docs/PERFORMANCE.md has the measurements).
 
 Keys: the round key is ``fold_in(server.key, round)``; client ``i``'s key is
@@ -31,6 +34,7 @@ inputs) is stacked over the client axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -72,7 +76,8 @@ class RoundConfig:
       learning_rate: the local learning rate ``eta_r``: a float or a schedule over rounds.
       strategy: one of :data:`STRATEGIES` (``"auto"``: :func:`resolve_strategy`).
       chunk_size: clients per chunk for ``"chunked"``.
-      mesh: the device mesh for ``"sharded"`` (default: all devices on one ``"clients"`` axis).
+      mesh: the device mesh for ``"sharded"``, with a ``"clients"`` axis whose size divides
+        ``clients_per_round`` (default: :func:`client_mesh`).
       unroll: ``unroll`` of the local-step ``lax.scan`` (1 = a rolled loop, the measured best
         with the models' default convolutions; ``True`` = fully unrolled).
       spectral_drift: also compute the spectral-norm preconditioner drift (power iteration).
@@ -107,12 +112,17 @@ class RoundConfig:
             raise ValueError(f"fed.unroll={self.unroll!r}; valid: an int >= 1 or True.")
         if self.strategy == "chunked" and not (self.chunk_size and self.chunk_size >= 1):
             raise ValueError(f"fed.chunk_size={self.chunk_size} must be >= 1 for 'chunked'.")
-        if self.strategy == "sharded":
-            devices = self.mesh.devices.size if self.mesh is not None else jax.device_count()
+        if self.mesh is not None:
+            if "clients" not in self.mesh.axis_names:
+                raise ValueError(
+                    f"fed.mesh has axes {self.mesh.axis_names}; the clients are laid over an "
+                    "axis named 'clients'."
+                )
+            devices = self.mesh.shape["clients"]
             if s % devices:
                 raise ValueError(
                     f"fed.clients_per_round={s} must be a multiple of the {devices} devices "
-                    "of the mesh for strategy 'sharded'."
+                    "of the mesh's 'clients' axis for strategy 'sharded'."
                 )
         if algorithm.full_participation_only and s != n:
             raise ValueError(
@@ -130,17 +140,52 @@ class RoundConfig:
         return jnp.asarray(self.learning_rate, dtype)
 
 
-def resolve_strategy(strategy: str) -> str:
-    """``"auto"`` → ``"sequential"`` on the CPU backend, ``"vmap"`` elsewhere; others unchanged.
+def client_mesh(config: RoundConfig) -> Mesh:
+    """The mesh a ``"sharded"`` round lays its clients over.
 
-    XLA:CPU runs one client's full-size matrix products on all cores, while ``vmap`` turns them
-    into batched products (and convolutions into grouped ones) that it runs slower, and a
-    sequential round also holds one client's activations instead of S (docs/PERFORMANCE.md).
-    Accelerators want the batched form. The backend is ``jax.default_backend()`` at trace time.
+    ``config.mesh``, or else the first ``d`` of ``jax.devices()`` on one ``"clients"`` axis, with
+    ``d`` the largest device count that divides ``clients_per_round`` (every device runs the same
+    number of clients).
+    """
+    if config.mesh is not None:
+        return config.mesh
+    devices = jax.devices()
+    s = config.clients_per_round
+    d = max(d for d in range(1, len(devices) + 1) if s % d == 0)
+    return Mesh(np.array(devices[:d]), ("clients",))
+
+
+def _one_device_strategy() -> str:
+    return "sequential" if jax.default_backend() == "cpu" else "vmap"
+
+
+def resolve_strategy(
+    strategy: str, clients_per_round: int | None = None, convolutional: bool = False
+) -> str:
+    """The strategy ``"auto"`` stands for; the others unchanged.
+
+    ``"sharded"`` when ``clients_per_round`` is given, more than one device divides it
+    (:func:`client_mesh`), and either the backend is not the CPU or the clients' model is
+    ``convolutional``. Otherwise ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere.
+
+    Why: XLA:CPU runs one client's full-size matrix products on all cores, while ``vmap`` turns
+    them into batched products (and convolutions into grouped ones) that it runs slower, and a
+    sequential round also holds one client's activations instead of S. Accelerators want the
+    batched form. On a CPU split into host devices (``jax_num_cpu_devices``; ``experiments`` sets
+    one per core), sharded clients, one at a time on each device, keep the cores busier on
+    convolutions (2-core machine, S = 10 x K = 10 FedAvg: CNN 1.44x, ResNet-18 1.20x a one-device
+    round), but not on dense models, whose large products already keep the cores busy and whose
+    summaries then cross devices (MLP 0.88-0.97x; docs/PERFORMANCE.md). The backend is
+    ``jax.default_backend()`` at call time.
     """
     if strategy != "auto":
         return strategy
-    return "sequential" if jax.default_backend() == "cpu" else "vmap"
+    one_device = _one_device_strategy()
+    if clients_per_round is None or (one_device == "sequential" and not convolutional):
+        return one_device
+    devices = len(jax.devices())
+    d = max(d for d in range(1, devices + 1) if clients_per_round % d == 0)
+    return "sharded" if d > 1 else one_device
 
 
 def _check_model_state(model_state: PyTree, algorithm: FedAlgorithm) -> None:
@@ -215,16 +260,13 @@ def _compress_state(state: PyTree, ratio: float) -> PyTree:
     return jax.tree.map(go, state, mask)
 
 
-def _client_axis_sharding(config: RoundConfig) -> NamedSharding:
-    mesh = config.mesh or Mesh(np.array(jax.devices()), ("clients",))
-    return NamedSharding(mesh, PartitionSpec("clients"))
-
-
 def _clients_per_group(config: RoundConfig) -> int | None:
-    """Clients vmapped together on the looping strategies (1: one at a time); None when all run
-    at once (``vmap``, ``sharded``)."""
-    strategy = resolve_strategy(config.strategy)
-    if strategy in ("vmap", "sharded"):
+    """Clients vmapped together on the looping strategies (1: one at a time); None when all of a
+    device's clients run at once (``vmap``, or ``sharded`` off CPU)."""
+    strategy = resolve_strategy(config.strategy, config.clients_per_round)
+    if strategy == "sharded":
+        strategy = _one_device_strategy()
+    if strategy == "vmap":
         return None
     return 1 if strategy == "sequential" else min(config.chunk_size, config.clients_per_round)
 
@@ -239,23 +281,51 @@ def client_conv_trace_mode(config: RoundConfig) -> str | None:
     return "reverse_unbatched" if _clients_per_group(config) == 1 else None
 
 
-def _run_clients(
-    fn: Callable, xs: PyTree, config: RoundConfig, spread: dict, direction: str
+def _run_sharded(
+    fn: Callable, shared: PyTree, xs: PyTree, config: RoundConfig, spread: dict, direction: str
 ) -> tuple[reduce.Stats, PyTree]:
-    """Runs ``fn(x) -> (averaged, stacked)`` for every client of ``xs`` (leading client axis).
+    """``_run_clients`` with the client axis split over ``client_mesh(config)``.
+
+    Each device runs its ``S / d`` clients with the one-device strategy, then the devices'
+    summaries are combined by all-reduces (:func:`fed.reduce.psum`); the stacked outputs stay
+    split over the devices.
+    """
+    mesh = client_mesh(config)
+    inner = dataclasses.replace(config, strategy=_one_device_strategy(), mesh=None)
+
+    def local(shared_local, xs_local):
+        stats, stacked = _run_clients(fn, shared_local, xs_local, inner, spread, direction)
+        return reduce.psum(stats, spread, "clients"), stacked
+
+    spec = PartitionSpec("clients")
+    # `shared` (server state, data) enters replicated. check_vma=False: the summary is replicated
+    # by construction (all-reduced), and the integer schedule counters it carries are equal on
+    # every client.
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), spec),
+        out_specs=(PartitionSpec(), spec),
+        check_vma=False,
+    )(shared, xs)
+
+
+def _run_clients(
+    fn: Callable, shared: PyTree, xs: PyTree, config: RoundConfig, spread: dict, direction: str
+) -> tuple[reduce.Stats, PyTree]:
+    """Runs ``fn(shared, x) -> (averaged, stacked)`` for every client ``x`` of ``xs`` (leading
+    client axis); ``shared`` (the server state, data, ...) is the same for all.
 
     Returns the summary (``fed.reduce``) of the ``averaged`` outputs and the client-stacked
     ``stacked`` outputs. Sequential and chunked rounds update the summary in place as clients
     finish, so the averaged outputs are never stacked over clients (docs/PERFORMANCE.md).
     """
-    strategy = resolve_strategy(config.strategy)
+    strategy = resolve_strategy(config.strategy, config.clients_per_round)
+    if strategy == "sharded":
+        return _run_sharded(fn, shared, xs, config, spread, direction)
+    fn = functools.partial(fn, shared)
     if strategy == "vmap":
         averaged, stacked = jax.vmap(fn)(xs)
-        return reduce.from_stack(averaged, spread, direction), stacked
-    if strategy == "sharded":
-        sharding = _client_axis_sharding(config)
-        xs = jax.lax.with_sharding_constraint(xs, sharding)
-        averaged, stacked = jax.lax.with_sharding_constraint(jax.vmap(fn)(xs), sharding)
         return reduce.from_stack(averaged, spread, direction), stacked
     s = jax.tree.leaves(xs)[0].shape[0]
     chunk = _clients_per_group(config)
@@ -306,19 +376,25 @@ def make_round_fn(
     loss_fn: LossFn,
     batch_fn: BatchFn,
     config: RoundConfig,
-) -> Callable[[ServerState, PyTree], tuple[ServerState, dict[str, jax.Array]]]:
+) -> RoundFn:
     """Builds ``round_fn(server, data) -> (server, metrics)``, one jitted call per round.
 
     Args:
       algorithm: the federated algorithm.
-      loss_fn: ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, metrics))``.
+      loss_fn: ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, metrics))``;
+        a bound ``Model.loss_fn`` also tells ``"auto"`` whether the model is convolutional.
       batch_fn: ``batch_fn(data, client_id, key) -> batch`` draws a local mini-batch on device.
-      config: the round's static settings.
+      config: the round's static settings; ``"auto"`` is resolved here (:func:`resolve_strategy`).
 
     Returns:
-      The jitted round function. ``data`` is any pytree the ``batch_fn`` reads (it stays on
-      device); the server state is donated.
+      The round function (:class:`RoundFn`). ``data`` is any pytree the ``batch_fn`` reads (it
+      stays on device; ``round_fn.place(data)`` puts it once where the round reads it); the
+      server state is donated.
     """
+    convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
+    config = dataclasses.replace(
+        config, strategy=resolve_strategy(config.strategy, config.clients_per_round, convolutional)
+    )
     config.validate(algorithm)
     tx = algorithm.local_tx
     n, s, k = config.num_clients, config.clients_per_round, config.local_steps
@@ -432,7 +508,8 @@ def make_round_fn(
         if stream_opt:
             spread["opt_state"] = drift_mask
 
-        def per_client(xs):
+        def per_client(shared, xs):
+            server, data, lr, round_key = shared
             out, new_persistent = client_fn(server, data, lr, round_key, xs)
             averaged = {k: out[k] for k in ("delta", "model_state", "loss")}
             stacked: dict[str, Any] = {}
@@ -451,7 +528,10 @@ def make_round_fn(
                 stacked["report"] = out.get("report", {})
             return averaged, stacked
 
-        stats, stacked = _run_clients(per_client, (ids, persistent), config, spread, "delta")
+        shared = (server, data, lr, round_key)
+        stats, stacked = _run_clients(
+            per_client, shared, (ids, persistent), config, spread, "delta"
+        )
         mean = stats["mean"]
         mean_delta = mean["delta"]
         if algorithm.aggregate_delta is not None:
@@ -504,7 +584,70 @@ def make_round_fn(
             new = new.replace(clients=scatter_clients(server.clients, ids, stacked["persistent"]))
         return new, metrics
 
-    return jax.jit(round_fn, donate_argnums=(0,))
+    return RoundFn(round_fn, config)
+
+
+class RoundFn:
+    """The jitted round of :func:`make_round_fn`: ``round_fn(server, data) -> (server, metrics)``.
+
+    Attributes:
+      config: the round's settings, with ``strategy`` resolved (never ``"auto"``).
+      strategy: ``config.strategy``.
+
+    A ``"sharded"`` round reads the server state and the data replicated on
+    :func:`client_mesh`: :meth:`place` puts a tree there (``jax.device_put`` returns an array
+    already placed as it is), and every call places its arguments first, so that only what was
+    never placed is copied (the first round's server state; data not placed by :meth:`place`,
+    every round). Other strategies read their arguments where they are (``place`` is the
+    identity). The server state comes back placed.
+
+    On the sharded path the server's typed PRNG key crosses the jitted call as its raw
+    ``key_data``: a typed key coming back from a mesh-sharded ``jit`` adds an entry to the jitted
+    function's fast-path cache (jax 0.10.2: a second entry in round 3, without recompiling),
+    which would hide a real recompilation from ``_cache_size``. Other attributes (``lower``,
+    ``_cache_size``) are the jitted function's.
+    """
+
+    def __init__(self, round_fn: Callable, config: RoundConfig):
+        self.config = config
+        self.strategy = config.strategy
+        self._sharding = None
+        self._impl = None
+        if self.strategy != "sharded":
+            self._jitted = jax.jit(round_fn, donate_argnums=(0,))
+            return
+        self._sharding = NamedSharding(client_mesh(config), PartitionSpec())
+
+        def on_key_data(server, data):
+            key = jax.random.wrap_key_data(server.key, impl=self._impl)
+            server, metrics = round_fn(server.replace(key=key), data)
+            return server.replace(key=jax.random.key_data(server.key)), metrics
+
+        self._jitted = jax.jit(on_key_data, donate_argnums=(0,), out_shardings=self._sharding)
+
+    def place(self, tree: PyTree) -> PyTree:
+        """``tree`` placed where this round reads it (replicated on the mesh when sharded)."""
+        if self._sharding is None:
+            return tree
+        return jax.device_put(tree, self._sharding)
+
+    def _arguments(self, server: ServerState, data: PyTree):
+        if self._sharding is None:
+            return server, data
+        self._impl = jax.random.key_impl(server.key)
+        return self.place((server.replace(key=jax.random.key_data(server.key)), data))
+
+    def __call__(self, server: ServerState, data: PyTree):
+        new, metrics = self._jitted(*self._arguments(server, data))
+        if self._sharding is not None:
+            new = new.replace(key=jax.random.wrap_key_data(new.key, impl=self._impl))
+        return new, metrics
+
+    def lower(self, server: ServerState, data: PyTree):
+        return self._jitted.lower(*self._arguments(server, data))
+
+    def __getattr__(self, name: str):
+        return getattr(self._jitted, name)
 
 
 def communication_bytes(algorithm: FedAlgorithm, server: ServerState) -> dict[str, int]:

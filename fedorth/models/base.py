@@ -69,6 +69,13 @@ class Model:
     def __post_init__(self):
         check_choice("task", self.task, TASKS)
 
+    @property
+    def convolutional(self) -> bool:
+        """Whether the module has convolutions (a ``conv_impl`` field, ``layers.conv``): the
+        round engine's ``"auto"`` strategy shards such clients over several CPU devices
+        (``fed.resolve_strategy``)."""
+        return "conv_impl" in {f.name for f in dataclasses.fields(self.module)}
+
     def _inputs_targets(self, batch: dict):
         x = batch["x"]
         if self.task == "lm":

@@ -138,6 +138,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         spectral_drift=bool(config.get("spectral_drift", False)),
     )
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
+    # A sharded round (fed.strategy "auto" on several devices) reads the data replicated on its
+    # mesh: placed once here, not copied every round.
+    fed_data = round_fn.place(fed_data)
     return Experiment(
         config, fed_data, model, algorithm, round_config, round_fn, params, model_state
     )
@@ -264,13 +267,14 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
 def init_server(experiment: Experiment) -> fed.ServerState:
     """The server state of round 0; its key drives sampling, batches and dropout."""
     _, run_key = jax.random.split(jax.random.key(int(experiment.config.seed)))
-    return fed.init_server(
+    server = fed.init_server(
         experiment.algorithm,
         experiment.init_params,
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
         key=run_key,
     )
+    return experiment.round_fn.place(server)
 
 
 def make_eval_fn(experiment: Experiment):
