@@ -125,6 +125,30 @@ def test_entry_points_run_host_lapack_with_one_openblas_thread_unless_told_other
         assert run(module, OPENBLAS_NUM_THREADS="2") == ["2", "True"], "an explicit value was lost"
 
 
+def test_entry_points_split_the_cpu_into_one_jax_device_per_core_unless_told_otherwise():
+    # `auto` shards convolutional clients over the CPU devices (cnn 1.22x torch at S = 10 x
+    # K = 10 against 0.90x on one device, PERFORMANCE.md "Session 6"): the package sets
+    # JAX_NUM_CPU_DEVICES before JAX loads, unless XLA_FLAGS forces a count or a value is given.
+    def devices(**extra):
+        script = "import experiments, jax; print(jax.device_count())"
+        keep = {
+            k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=keep | {"JAX_PLATFORMS": "cpu"} | extra,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(done.stdout.split()[-1])
+
+    assert devices() == min(len(os.sched_getaffinity(0)), 8)
+    assert devices(JAX_NUM_CPU_DEVICES="1") == 1, "an explicit value was lost"
+    forced = "--xla_force_host_platform_device_count=3"
+    assert devices(XLA_FLAGS=forced) == 3, "the XLA flag was overridden"
+
+
 def test_bad_choices_name_the_flag():
     with pytest.raises(ValueError, match="--workloads='vgg'"):
         bench_round.parse_args(["--workloads", "vgg"])
@@ -381,31 +405,43 @@ def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
     _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("optim", ["soap", "sophia"])
-def test_sharded_second_order_round_of_a_conv_model_equals_the_sequential_round(optim):
-    """FedPAC_SOAP (host LAPACK callbacks inside each device's client loop and in the server
-    update) and FedPAC_Sophia (forward-over-reverse Hessian products) on the auto/sharded path
-    give the one-device sequential round: parameters, averaged optimizer states (SOAP's server
-    eigenbases included) and metrics.
-
-    One round: this toy's dense factors are rank-deficient (batch 4), and SOAP's Adam in the
-    eigenbasis depends on the arbitrary basis of their null space, so from the second round any
-    reassociation of the averaged factors (all-reduce vs running mean) moves the parameters by
-    ~1e-3 (on one device, the vmap round with lax convolutions already differs from the
-    sequential one by 0.09 after one round: batched LAPACK, other rounding).
-    """
+def test_sharded_sophia_round_of_a_conv_model_equals_the_sequential_round():
+    """FedPAC_Sophia (forward-over-reverse Hessian products) on the auto/sharded path gives the
+    one-device sequential round: parameters, averaged optimizer states and metrics."""
     x, data = _toy_federated((8, 8, 1), 16)
-    algorithm = fed.get_algorithm("fedpac", {"name": optim, "learning_rate": 0.01}, beta=0.5)
+    algorithm = fed.get_algorithm("fedpac", {"name": "sophia", "learning_rate": 0.01}, beta=0.5)
     model = _toy_cnn("auto")
     results = []
     for strategy in ("sequential", "auto"):
         round_fn, server = _toy_round(
             model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
         )
-        server, metrics = round_fn(server, data)
+        for _ in range(2):
+            server, metrics = round_fn(server, data)
         results.append((server.params, server.opt_state, metrics))
     assert round_fn.strategy == "sharded"
     _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
+
+
+def test_host_lapack_rounds_stay_on_one_cpu_device():
+    """SOAP's QR/eigh and low-rank compression run LAPACK in host callbacks, which hung when both
+    pool threads of a 2-device CPU round ran one (FedPAC_SOAP, py-spy): "auto" keeps such rounds
+    sequential even for a convolutional model, and an explicit "sharded" is refused."""
+    x, _ = _toy_federated((8, 8, 1), 16)
+    model = _toy_cnn("auto")
+    for name, optim, options in (
+        ("fedpac", {"name": "soap", "learning_rate": 0.01}, {"beta": 0.5}),
+        ("local_soap", {"name": "soap", "learning_rate": 0.01}, {}),
+        ("fedmuon", {"name": "muon", "learning_rate": 0.01}, {"svd_ratio": 0.5}),
+    ):
+        algorithm = fed.get_algorithm(name, optim, **options)
+        round_fn, _ = _toy_round(model, algorithm, x, strategy="auto", local_steps=1, batch_size=4)
+        assert round_fn.strategy == "sequential", name
+        with pytest.raises(ValueError, match="run LAPACK on the host"):
+            _toy_round(model, algorithm, x, strategy="sharded", local_steps=1, batch_size=4)
+    sophia = fed.get_algorithm("fedpac", {"name": "sophia", "learning_rate": 0.01}, beta=0.5)
+    round_fn, _ = _toy_round(model, sophia, x, strategy="auto", local_steps=1, batch_size=4)
+    assert round_fn.strategy == "sharded"
 
 
 def test_auto_round_of_a_conv_model_shards_clients_and_equals_the_vmap_lax_round():

@@ -371,6 +371,24 @@ def _drift_mask(algorithm: FedAlgorithm, opt_shape: PyTree, server: ServerState)
     )
 
 
+def _calls_host_lapack(algorithm: FedAlgorithm) -> bool:
+    """Whether the algorithm's rounds may run ``fedorth.optim.linalg`` (host LAPACK on CPU): SOAP
+    states (QR/eigh refreshes, FedPAC's server bases) or low-rank state compression (SVD).
+
+    Measured: a FedPAC_SOAP round sharded over 2 CPU devices on 2 cores hung, both XLA:CPU pool
+    threads inside ``pure_callback``s, each waiting in ``np.asarray`` of its operand for work
+    that no free pool thread was left to run (py-spy, 2026-11-21).
+    """
+    from fedorth.optim.soap import SoapState
+
+    if algorithm.state_compression is not None:
+        return True
+    probe = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    state = jax.eval_shape(algorithm.local_tx.init, probe)
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, SoapState))
+    return any(isinstance(x, SoapState) for x in nodes)
+
+
 def make_round_fn(
     algorithm: FedAlgorithm,
     loss_fn: LossFn,
@@ -392,9 +410,22 @@ def make_round_fn(
       server state is donated.
     """
     convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
+    # Host LAPACK callbacks (fedorth.optim.linalg) hang when every XLA:CPU pool thread runs one at
+    # once, as the devices of a sharded CPU round do: "auto" keeps such rounds on one device.
+    host_lapack = jax.default_backend() == "cpu" and _calls_host_lapack(algorithm)
     config = dataclasses.replace(
-        config, strategy=resolve_strategy(config.strategy, config.clients_per_round, convolutional)
+        config,
+        strategy=resolve_strategy(
+            config.strategy, config.clients_per_round, convolutional and not host_lapack
+        ),
     )
+    if config.strategy == "sharded" and host_lapack and client_mesh(config).devices.size > 1:
+        raise ValueError(
+            f"fed.strategy='sharded' over {client_mesh(config).devices.size} CPU devices with "
+            f"{algorithm.name}: its SOAP states or low-rank compression run LAPACK on the host "
+            "(fedorth.optim.linalg), which hangs when the devices call it at once; use "
+            "'sequential' (or 'auto') on CPU."
+        )
     config.validate(algorithm)
     tx = algorithm.local_tx
     n, s, k = config.num_clients, config.clients_per_round, config.local_steps
