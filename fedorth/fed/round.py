@@ -14,7 +14,8 @@ reassociation:
   (one at a time on CPU, vmapped elsewhere), and the devices' summaries are combined with
   all-reduces;
 * ``"auto"`` (the default): ``"sharded"`` when more than one device divides ``S``
-  (:func:`client_mesh`), else ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere
+  (:func:`client_mesh`) on an accelerator, or on CPU for a convolutional model whose algorithm
+  runs no host LAPACK; else ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere
   (:func:`resolve_strategy`; docs/PERFORMANCE.md has the measurements).
 
 Keys: the round key is ``fold_in(server.key, round)``; client ``i``'s key is
@@ -149,10 +150,14 @@ def client_mesh(config: RoundConfig) -> Mesh:
     """
     if config.mesh is not None:
         return config.mesh
-    devices = jax.devices()
-    s = config.clients_per_round
-    d = max(d for d in range(1, len(devices) + 1) if s % d == 0)
-    return Mesh(np.array(devices[:d]), ("clients",))
+    d = _dividing_devices(config.clients_per_round)
+    return Mesh(np.array(jax.devices()[:d]), ("clients",))
+
+
+def _dividing_devices(clients_per_round: int) -> int:
+    """The largest count of ``jax.devices()`` that divides ``clients_per_round``."""
+    devices = len(jax.devices())
+    return max(d for d in range(1, devices + 1) if clients_per_round % d == 0)
 
 
 def _one_device_strategy() -> str:
@@ -166,26 +171,26 @@ def resolve_strategy(
 
     ``"sharded"`` when ``clients_per_round`` is given, more than one device divides it
     (:func:`client_mesh`), and either the backend is not the CPU or the clients' model is
-    ``convolutional``. Otherwise ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere.
+    ``convolutional`` (:func:`make_round_fn` passes False for algorithms that run host LAPACK,
+    which hangs on sharded CPU rounds). Otherwise ``"sequential"`` on the CPU backend and
+    ``"vmap"`` elsewhere.
 
     Why: XLA:CPU runs one client's full-size matrix products on all cores, while ``vmap`` turns
     them into batched products (and convolutions into grouped ones) that it runs slower, and a
     sequential round also holds one client's activations instead of S. Accelerators want the
     batched form. On a CPU split into host devices (``jax_num_cpu_devices``; ``experiments`` sets
     one per core), sharded clients, one at a time on each device, keep the cores busier on
-    convolutions (2-core machine, S = 10 x K = 10 FedAvg: CNN 1.44x, ResNet-18 1.20x a one-device
-    round), but not on dense models, whose large products already keep the cores busy and whose
-    summaries then cross devices (MLP 0.88-0.97x; docs/PERFORMANCE.md). The backend is
-    ``jax.default_backend()`` at call time.
+    convolutions (2-core machine, S = 10 x K = 10 FedAvg: CNN 1.35-1.45x, ResNet-18 1.20x a
+    one-device round), but not on dense models, whose large products already keep the cores
+    busy and whose summaries then cross devices (MLP 0.88-0.97x; docs/PERFORMANCE.md). The
+    backend is ``jax.default_backend()`` at call time.
     """
     if strategy != "auto":
         return strategy
     one_device = _one_device_strategy()
     if clients_per_round is None or (one_device == "sequential" and not convolutional):
         return one_device
-    devices = len(jax.devices())
-    d = max(d for d in range(1, devices + 1) if clients_per_round % d == 0)
-    return "sharded" if d > 1 else one_device
+    return "sharded" if _dividing_devices(clients_per_round) > 1 else one_device
 
 
 def _check_model_state(model_state: PyTree, algorithm: FedAlgorithm) -> None:
@@ -419,9 +424,10 @@ def make_round_fn(
             config.strategy, config.clients_per_round, convolutional and not host_lapack
         ),
     )
-    if config.strategy == "sharded" and host_lapack and client_mesh(config).devices.size > 1:
+    devices = client_mesh(config).devices.size if config.strategy == "sharded" else 1
+    if host_lapack and devices > 1:
         raise ValueError(
-            f"fed.strategy='sharded' over {client_mesh(config).devices.size} CPU devices with "
+            f"fed.strategy='sharded' over {devices} CPU devices with "
             f"{algorithm.name}: its SOAP states or low-rank compression run LAPACK on the host "
             "(fedorth.optim.linalg), which hangs when the devices call it at once; use "
             "'sequential' (or 'auto') on CPU."
