@@ -423,25 +423,53 @@ def test_sharded_sophia_round_of_a_conv_model_equals_the_sequential_round():
     _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
 
 
-def test_host_lapack_rounds_stay_on_one_cpu_device():
-    """SOAP's QR/eigh and low-rank compression run LAPACK in host callbacks, which hung when both
-    pool threads of a 2-device CPU round ran one (FedPAC_SOAP, py-spy): "auto" keeps such rounds
-    sequential even for a convolutional model, and an explicit "sharded" is refused."""
-    x, _ = _toy_federated((8, 8, 1), 16)
-    model = _toy_cnn("auto")
-    for name, optim, options in (
-        ("fedpac", {"name": "soap", "learning_rate": 0.01}, {"beta": 0.5}),
-        ("local_soap", {"name": "soap", "learning_rate": 0.01}, {}),
+# SOAP refreshing its bases every step; axes longer than 16 (Dense_0's 64 inputs) unrotated: a
+# 64 x 64 factor of a 64 x 4 kernel has rank <= 4 and its 60-dimensional null space has no
+# preferred basis, so the server's eigh of the averaged factor would pick an arbitrary one.
+_SOAP_EVERY_STEP = {
+    "name": "soap",
+    "learning_rate": 0.01,
+    "precondition_frequency": 1,
+    "max_precond_dim": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "name, optim, options",
+    [
+        ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
+        ("local_soap", _SOAP_EVERY_STEP, {}),
         ("fedmuon", {"name": "muon", "learning_rate": 0.01}, {"svd_ratio": 0.5}),
-    ):
-        algorithm = fed.get_algorithm(name, optim, **options)
-        round_fn, _ = _toy_round(model, algorithm, x, strategy="auto", local_steps=1, batch_size=4)
-        assert round_fn.strategy == "sequential", name
-        with pytest.raises(ValueError, match="run LAPACK on the host"):
-            _toy_round(model, algorithm, x, strategy="sharded", local_steps=1, batch_size=4)
-    sophia = fed.get_algorithm("fedpac", {"name": "sophia", "learning_rate": 0.01}, beta=0.5)
-    round_fn, _ = _toy_round(model, sophia, x, strategy="auto", local_steps=1, batch_size=4)
+    ],
+)
+def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, options):
+    """SOAP's QR/eigh (client refreshes every step here, FedPAC's server bases) and FedMuon's
+    low-rank momentum compression (SVD) run LAPACK on the host inside the round. With
+    `jax.pure_callback` a sharded FedPAC_SOAP round hung (its `device_put` of the operands
+    needs a pool thread that the devices' callbacks all hold; py-spy). `fedorth.optim.linalg`'s
+    own host call does not, so "auto" shards these rounds too, and the round equals the
+    one-device sequential round: parameters, optimizer states and metrics.
+
+    One round: each device runs the sequential round's per-client code, so only the all-reduced
+    means differ (~1e-8). A second round starts from those slightly different parameters, and the
+    Adam-type steps inside SOAP turn such differences in near-zero gradient coordinates into
+    steps of up to +-lr (m / sqrt(v) is a sign when |g| >> eps): 1e-4 apart after two rounds here,
+    as any change of summation order does (vmap vs sequential: 0.1)."""
+    from fedorth.optim import linalg
+
+    assert linalg.HOST_CALLS_SHARD, "the installed JAX lacks the host-call internals"
+    x, data = _toy_federated((8, 8, 1), 16)
+    model = _toy_cnn("auto")
+    algorithm = fed.get_algorithm(name, optim, **options)
+    results = []
+    for strategy in ("sequential", "auto"):
+        round_fn, server = _toy_round(
+            model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
+        )
+        server, metrics = round_fn(server, data)
+        results.append((server.params, server.opt_state, metrics))
     assert round_fn.strategy == "sharded"
+    _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
 
 
 def test_auto_round_of_a_conv_model_shards_clients_and_equals_the_vmap_lax_round():

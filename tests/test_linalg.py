@@ -85,3 +85,57 @@ def test_host_path_accepts_bfloat16():
     np.testing.assert_allclose(
         np.asarray(q @ r, np.float32), np.asarray(x, np.float32), atol=3e-2, rtol=3e-2
     )
+
+
+_SHARDED_HOST_CALLS = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from fedorth.optim import linalg
+
+mesh = jax.make_mesh((jax.device_count(),), ("d",))
+
+
+def body(x):
+    y = x[0] @ x[0].T  # the callbacks' operands are computed by the devices themselves
+    w, v = linalg.eigh(y)
+    q, r = linalg.qr(v @ x[0])
+    u, s, vt = linalg.svd(q * w[-1])
+    return tuple(a[None] for a in (w, v, q, r, u, s, vt))
+
+
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+x = np.random.default_rng(0).standard_normal((jax.device_count(), 256, 192)).astype(np.float32)
+for _ in range(2):
+    outs = [np.asarray(o) for o in f(jax.device_put(x, jax.NamedSharding(mesh, P("d"))))]
+alone = [np.stack(o) for o in zip(*(jax.jit(lambda m: body(m[None]))(m) for m in x))]
+for a, b in zip(outs, alone, strict=True):
+    np.testing.assert_array_equal(a, b[:, 0])
+w, v, q, r = outs[:4]
+y = x @ np.swapaxes(x, 1, 2)
+np.testing.assert_allclose(v @ (w[..., None] * np.swapaxes(v, 1, 2)), y, rtol=0, atol=2e-3)
+np.testing.assert_allclose(q @ r, v @ x, rtol=0, atol=2e-3)
+print("ok", jax.device_count())
+"""
+
+
+def test_host_calls_run_on_every_device_of_a_shard_map_at_once():
+    """A shard_map over 2 CPU devices whose devices call eigh/qr/svd on 256-row operands at once.
+    With `jax.pure_callback` this hung (the callback `device_put`s its operand, and a copy this
+    large waits for a pool thread that the devices' callbacks hold; 64-row ones are copied inline
+    and ran): `linalg`'s host call must finish, and each device's results must be those of one
+    device alone, bit for bit (same LAPACK routine, same input). In a subprocess, so that a
+    regression fails on the timeout instead of hanging the suite."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_HOST_CALLS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "2"], proc.stdout

@@ -14,9 +14,9 @@ reassociation:
   (one at a time on CPU, vmapped elsewhere), and the devices' summaries are combined with
   all-reduces;
 * ``"auto"`` (the default): ``"sharded"`` when more than one device divides ``S``
-  (:func:`client_mesh`) on an accelerator, or on CPU for a convolutional model whose algorithm
-  runs no host LAPACK; else ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere
-  (:func:`resolve_strategy`; docs/PERFORMANCE.md has the measurements).
+  (:func:`client_mesh`) on an accelerator, or on CPU for a convolutional model; else
+  ``"sequential"`` on the CPU backend and ``"vmap"`` elsewhere (:func:`resolve_strategy`;
+  docs/PERFORMANCE.md has the measurements).
 
 Keys: the round key is ``fold_in(server.key, round)``; client ``i``'s key is
 ``fold_in(round_key, i)`` (by client id, so every strategy sees the same randomness) and local
@@ -171,8 +171,9 @@ def resolve_strategy(
 
     ``"sharded"`` when ``clients_per_round`` is given, more than one device divides it
     (:func:`client_mesh`), and either the backend is not the CPU or the clients' model is
-    ``convolutional`` (:func:`make_round_fn` passes False for algorithms that run host LAPACK,
-    which hangs on sharded CPU rounds). Otherwise ``"sequential"`` on the CPU backend and
+    ``convolutional`` (:func:`make_round_fn` passes False for algorithms whose host LAPACK
+    calls cannot be sharded, only with a JAX lacking ``fedorth.optim.linalg``'s host call).
+    Otherwise ``"sequential"`` on the CPU backend and
     ``"vmap"`` elsewhere.
 
     Why: XLA:CPU runs one client's full-size matrix products on all cores, while ``vmap`` turns
@@ -377,15 +378,21 @@ def _drift_mask(algorithm: FedAlgorithm, opt_shape: PyTree, server: ServerState)
 
 
 def _calls_host_lapack(algorithm: FedAlgorithm) -> bool:
-    """Whether the algorithm's rounds may run ``fedorth.optim.linalg`` (host LAPACK on CPU): SOAP
-    states (QR/eigh refreshes, FedPAC's server bases) or low-rank state compression (SVD).
+    """Whether the algorithm's rounds may run ``fedorth.optim.linalg`` (host LAPACK on CPU) in a
+    form that cannot be sharded over CPU devices: SOAP states (QR/eigh refreshes, FedPAC's server
+    bases) or low-rank state compression (SVD), when ``linalg.HOST_CALLS_SHARD`` is False.
 
-    Measured: a FedPAC_SOAP round sharded over 2 CPU devices on 2 cores hung, both XLA:CPU pool
-    threads inside ``pure_callback``s, each waiting in ``np.asarray`` of its operand for work
-    that no free pool thread was left to run (py-spy, 2026-11-21).
+    With ``jax.pure_callback`` (the fallback there) a FedPAC_SOAP round sharded over 2 CPU devices
+    on 2 cores hung: both XLA:CPU pool threads inside the callbacks, each waiting in
+    ``np.asarray`` for the ``device_put`` that ``pure_callback`` makes of its operand, work that no
+    free pool thread was left to run (py-spy, 2026-11-21). ``linalg``'s own host call skips that
+    ``device_put`` and shards.
     """
+    from fedorth.optim import linalg
     from fedorth.optim.soap import SoapState
 
+    if linalg.HOST_CALLS_SHARD:
+        return False
     if algorithm.state_compression is not None:
         return True
     probe = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
@@ -415,8 +422,9 @@ def make_round_fn(
       server state is donated.
     """
     convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
-    # Host LAPACK callbacks (fedorth.optim.linalg) hang when every XLA:CPU pool thread runs one at
-    # once, as the devices of a sharded CPU round do: "auto" keeps such rounds on one device.
+    # Through jax.pure_callback (linalg's fallback) host LAPACK hangs when every XLA:CPU pool
+    # thread runs one at once, as the devices of a sharded CPU round do: then "auto" keeps such
+    # rounds on one device.
     host_lapack = jax.default_backend() == "cpu" and _calls_host_lapack(algorithm)
     config = dataclasses.replace(
         config,

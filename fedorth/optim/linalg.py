@@ -9,11 +9,12 @@ is left to run, and the process hangs forever (reproduced here: a FedPAC_SOAP ru
 with two ``lapack_sgeqrf_ffi`` calls in ``BlockingCounter::Wait``; jaxlib 0.11.2 removed that
 parallel path from open-source builds).
 
-On the CPU backend these functions therefore run LAPACK on the host through
-``jax.pure_callback`` (outside XLA's pool; SciPy's single-precision routines for float32, one
-matrix of a batch after another), and on every other backend they lower to the native
-``jnp.linalg`` kernels. The choice is made per platform at lowering time
-(``jax.lax.platform_dependent``), so one jitted function serves both.
+On the CPU backend these functions therefore run LAPACK on the host in a Python callback
+(outside XLA's pool; SciPy's single-precision routines for float32, one matrix of a batch after
+another; the callback is ``jax.pure_callback``'s host call without its ``device_put``, see
+``_host``, so that the devices of a sharded round can run it at once), and on every other
+backend they lower to the native ``jnp.linalg`` kernels. The choice is made per platform at
+lowering time (``jax.lax.platform_dependent``), so one jitted function serves both.
 The results are those of LAPACK either way (SciPy and jaxlib call the same float32 routines);
 eigenvector and singular-vector signs are LAPACK's and may differ between the two paths. (Until
 2026-11-21 the host path used ``numpy.linalg``, which computes float32 inputs in float64: about
@@ -32,19 +33,95 @@ callback's outputs in its callback thread, where x64 is off, and rejects float64
 from __future__ import annotations
 
 import jax
+import jax.extend.core
+import jax.interpreters.batching
+import jax.interpreters.mlir
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
+# The host call. `jax.pure_callback` hands its callback the operands as JAX arrays: it first
+# `device_put`s the host copies onto CPU device 0, and `np.asarray` then waits for that transfer.
+# With several CPU devices running one SPMD program (a `shard_map` round over
+# `JAX_NUM_CPU_DEVICES` devices) every XLA:CPU pool thread can be inside such a callback, waiting
+# for a transfer that no free thread is left to run: the round hangs (jax 0.10.2, 2 cores,
+# reproduced with a 3-line callback; without the `device_put` it runs). So the CPU lowering below
+# emits the same host call as `pure_callback` (`emit_python_callback`, one call per device under
+# `shard_map`, a maximal sharding under automatic SPMD) but gives `fn` the NumPy operands as they
+# arrive. That needs two of JAX's internal names; where they are missing (another JAX version) the
+# functions fall back to `jax.pure_callback` and `HOST_CALLS_SHARD` is False, so that
+# `fedorth.fed` keeps host-LAPACK rounds on one CPU device.
+try:
+    from jax._src.callback import _callback_op_sharding as _op_sharding
+    from jax._src.callback import emit_python_callback as _emit_python_callback
 
-def _host(fn, out_shapes, *args):
-    dtypes = [s.dtype for s in out_shapes]
+    HOST_CALLS_SHARD = True
+except ImportError:  # pragma: no cover - depends on the installed JAX
+    HOST_CALLS_SHARD = False
 
-    def call(*xs):
-        # Cast to the declared dtypes (the callback may see a differently typed copy).
-        return tuple(np.asarray(o, d) for o, d in zip(fn(*xs), dtypes, strict=True))
 
-    return jax.pure_callback(call, out_shapes, *args, vmap_method="broadcast_all")
+def _cast(outs, dtypes) -> tuple[np.ndarray, ...]:
+    # Cast to the declared dtypes (e.g. bfloat16 inputs are factorized in float32).
+    return tuple(np.asarray(o, d) for o, d in zip(outs, dtypes, strict=True))
+
+
+_host_p = jax.extend.core.Primitive("fedorth_host_lapack")
+_host_p.multiple_results = True
+
+
+@_host_p.def_abstract_eval
+def _host_abstract_eval(x, *, fn, shapes):
+    del x, fn
+    return tuple(jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes)
+
+
+@_host_p.def_impl
+def _host_impl(x, *, fn, shapes):  # eager calls, outside any jit
+    return tuple(jnp.asarray(o) for o in _cast(fn(np.asarray(x)), [d for _, d in shapes]))
+
+
+def _host_lowering(ctx, x, *, fn, shapes):
+    dtypes = [d for _, d in shapes]
+    sharding = _op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+    result, _, _ = _emit_python_callback(
+        ctx,
+        lambda x: _cast(fn(x), dtypes),
+        None,
+        [x],
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=False,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return result
+
+
+def _host_batching(args, dims, *, fn, shapes):
+    # `fn` loops over any leading batch axes itself, so a vmapped call is one call with the
+    # batch axis in front ("broadcast_all" in pure_callback's terms).
+    (x,), (d,) = args, dims
+    x = jnp.moveaxis(x, d, 0)
+    shapes = tuple(((x.shape[0], *shape), dtype) for shape, dtype in shapes)
+    return _host_p.bind(x, fn=fn, shapes=shapes), (0,) * len(shapes)
+
+
+if HOST_CALLS_SHARD:
+    jax.interpreters.mlir.register_lowering(
+        _host_p, _host_lowering, platform="cpu", cacheable=False
+    )
+    jax.interpreters.batching.primitive_batchers[_host_p] = _host_batching
+
+
+def _host(fn, out_shapes, x):
+    """``fn(x)`` (NumPy in, tuple of NumPy arrays out) on the host, inside or outside a jit."""
+    shapes = tuple((tuple(s.shape), np.dtype(s.dtype)) for s in out_shapes)
+    if HOST_CALLS_SHARD:
+        return tuple(_host_p.bind(x, fn=fn, shapes=shapes))
+    dtypes = [d for _, d in shapes]
+    return jax.pure_callback(
+        lambda x: _cast(fn(x), dtypes), out_shapes, x, vmap_method="broadcast_all"
+    )
 
 
 def _each_matrix(fn, x) -> tuple[np.ndarray, ...]:
