@@ -257,6 +257,7 @@ def run_round(argv: list[str]) -> int:
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": f"{device.platform}: {device.device_kind} x{jax.device_count()}",
+        "device_count": jax.device_count(),
         "cpu_threads": threads,
         "jax": jax.__version__,
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),

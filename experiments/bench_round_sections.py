@@ -142,13 +142,33 @@ def micro_section(*, repeats: int, quick: bool) -> dict[str, Any]:
     return out
 
 
+def cpu_devices_env(devices: int, environ=None) -> dict[str, str]:
+    """A copy of the environment under which a child JAX process has ``devices`` CPU devices.
+
+    ``JAX_NUM_CPU_DEVICES`` wins over ``XLA_FLAGS``' ``--xla_force_host_platform_device_count``
+    (jax 0.10), and ``python -m experiments.*`` sets the former: set it, drop the latter.
+    """
+    env = dict(os.environ if environ is None else environ)
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(
+        f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def scaling_section(args) -> dict[str, Any]:
-    """`sharded` with 1 and 2 host devices, each in a subprocess (XLA_FLAGS set before import)."""
+    """`sharded` with 1 and 2 host devices, each in a subprocess (device count set before import).
+
+    `JAX_NUM_CPU_DEVICES` overrides `XLA_FLAGS`' forced count, and this process has it set
+    (`experiments/__init__.py`), so the children get it explicitly and the forced count is
+    dropped; each child's JSON header must report the asked-for count (until session 7 both
+    children inherited 2 devices and the section compared 2 with 2).
+    """
     out = {}
     for devices in (1, 2):
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-        env["JAX_PLATFORMS"] = "cpu"
+        env = cpu_devices_env(devices)
         path = f"/tmp/fedorth_bench_scaling_{os.getpid()}_{devices}.json"
         clients = max(2, args.clients[0] - args.clients[0] % 2)
         command = [
@@ -161,8 +181,11 @@ def scaling_section(args) -> dict[str, Any]:
         ]  # fmt: skip
         subprocess.run(command, env=env, check=True, capture_output=True, text=True)
         with open(path) as f:
-            row = json.load(f)["rows"][0]
+            child = json.load(f)
         os.remove(path)
+        if child["device_count"] != devices:
+            raise RuntimeError(f"scaling: asked for {devices} devices, got {child['device']}")
+        row = child["rows"][0]
         out[f"{devices}_devices"] = {
             key: row[key] for key in ("client_steps_per_s", "round_s", "compile_s")
         }

@@ -149,6 +149,29 @@ def test_entry_points_split_the_cpu_into_one_jax_device_per_core_unless_told_oth
     assert devices(XLA_FLAGS=forced) == 3, "the XLA flag was overridden"
 
 
+def test_scaling_children_get_the_device_count_they_ask_for():
+    """`--scaling` times `sharded` on 1 and 2 devices in child processes. The parent, like every
+    `python -m experiments.*`, has JAX_NUM_CPU_DEVICES set, which wins over XLA_FLAGS' forced
+    count: until session 7 both children inherited 2 devices (a 0.97x "speedup" for 2 vs 2)."""
+    from experiments.bench_round_sections import cpu_devices_env
+
+    parent = dict(os.environ) | {
+        "JAX_NUM_CPU_DEVICES": "2",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_enable_fast_math=false",
+    }
+    for want in (1, 2, 3):
+        env = cpu_devices_env(want, parent)
+        assert env["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false", "other flags are kept"
+        done = subprocess.run(
+            [sys.executable, "-c", "import jax; print(jax.device_count())"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert int(done.stdout.split()[-1]) == want
+
+
 def test_bad_choices_name_the_flag():
     with pytest.raises(ValueError, match="--workloads='vgg'"):
         bench_round.parse_args(["--workloads", "vgg"])

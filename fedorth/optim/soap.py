@@ -33,6 +33,20 @@ Alg. 4 (Local SOAP) and Alg. 5 (FedPAC_SOAP) restate it. Choices where the refer
   on GPU/TPU would use TF32/bfloat16 passes).
 * With ``merge_dims`` the moments are stored in the merged shape (the state then describes its
   own layout); ``data_format`` (a PyTorch NHWC detail) is not needed for Flax kernels.
+
+Numerics worth knowing (a property of the method, shared by the reference): a factor of an axis
+longer than the other axes' product, e.g. ``L`` of a ``64 x 4`` kernel, or of a ``4096 x 384``
+one for its first steps (rank <= batch size per step), is rank-deficient, and ``eigh`` may return
+any orthonormal basis of its null space. New gradients do reach that null space, and Adam's
+coordinate-wise ``m / (√v + ε)`` (a sign on the first step) then depends on which basis was
+returned. The same holds, as for plain Adam, for any coordinate whose gradient is at rounding
+level (e.g. a bias behind dead units). So rounding-level changes (another summation order,
+``vmap`` instead of a loop) can move an update by up to ``±lr`` per coordinate: in a 2-client toy
+CNN round (lr 0.1) the ``vmap`` and ``sequential`` strategies differ by up to 0.1 in some
+weights, while the sharded round, which runs the same per-client code, agrees with the sequential
+one to 1e-8 after one round (``tests/test_bench.py``). Compare SOAP runs across strategies or
+machines by their curves, not bit for bit. ``max_precond_dim`` below such axes leaves them
+unrotated, which makes the bases unique (up to sign, which cancels).
 """
 
 from __future__ import annotations
