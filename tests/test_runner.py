@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 
+import ml_collections
 import pytest
 
 from fedorth import train
@@ -62,6 +63,7 @@ def patch_round_fn(monkeypatch, *, stop_after: int | None = None) -> list[int]:
             return round_fn(server, data)
 
         wrapped.place = round_fn.place  # the loop places the server state where rounds read it
+        wrapped.strategy, wrapped.config = round_fn.strategy, round_fn.config
         experiment.round_fn = wrapped
         return experiment
 
@@ -88,7 +90,9 @@ def test_main_job_learns_digits(tmp_path):
 
 
 def _small(name: str, *, rounds: int = 7):
-    config = get_config(name)
+    """6 clients, 3 per round, K = 3. ``<config>_cnn``: a small CNN with 2 clients per round, so
+    that ``auto`` shards them over 2 of the 8 fake CPU devices."""
+    config = get_config(name.removesuffix("_cnn"))
     config.data.num_clients = 6
     config.fed.clients_per_round = 3
     config.fed.local_steps = 3
@@ -96,6 +100,11 @@ def _small(name: str, *, rounds: int = 7):
     config.eval_every = 1
     config.checkpoint_every = 2
     config.model.hidden_sizes = (32,)
+    if name.endswith("_cnn"):
+        config.fed.clients_per_round = 2
+        config.model = ml_collections.ConfigDict(
+            {"name": "cnn", "features": (8, 16), "dense_sizes": (16,)}
+        )
     return config
 
 
@@ -109,12 +118,18 @@ def _without_wall(rows: list[dict]) -> list[dict]:
 # stray read task was cancelled when its event loop closed and surfaced as an unraisable
 # exception at teardown, after every assertion had passed: third-party noise, ignored here only.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("name", ["fedmuon_bc", "fedpac_soap"])
+@pytest.mark.parametrize("name", ["fedmuon_bc", "fedpac_soap", "fedpac_soap_cnn"])
 def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
     """Stop after round 5, run the same command again: it restarts from checkpoint 4, and
-    metrics.jsonl equals an uninterrupted run's, bit for bit (wall_s aside)."""
+    metrics.jsonl equals an uninterrupted run's, bit for bit (wall_s aside). run_info.json
+    records the strategy "auto" chose: sequential for the MLPs, sharded over 2 devices for the
+    CNN (whose FedPAC_SOAP state and host eigh/QR then live on a mesh, checkpoint included)."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     train.run(_small(name), straight)
+    info = json.loads((straight / "run_info.json").read_text())
+    sharded = name.endswith("_cnn")
+    assert info["strategy"] == ("sharded" if sharded else "sequential"), info
+    assert info["round_devices"] == (["cpu:0", "cpu:1"] if sharded else ["cpu:0"])
 
     calls = patch_round_fn(monkeypatch, stop_after=5)
     with pytest.raises(Stop):

@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -162,6 +163,23 @@ def _prepare_workdir(
     _write_atomic(workdir / "run_info.json", json.dumps(info, indent=2))
 
 
+def _record_execution(workdir: pathlib.Path, round_fn: Callable) -> None:
+    """Adds to ``run_info.json`` how the rounds run: the strategy ``fed.strategy="auto"`` chose
+    (``fed.resolve_strategy``) and the devices a round uses (the mesh of a sharded round)."""
+    strategy = getattr(round_fn, "strategy", None)
+    if strategy is None:  # a plain function in place of fed.RoundFn
+        return
+    path = workdir / "run_info.json"
+    info = json.loads(path.read_text())
+    info["strategy"] = strategy
+    info["round_devices"] = (
+        [str(d) for d in fed.client_mesh(round_fn.config).devices.flat]
+        if strategy == "sharded"
+        else [str(jax.devices()[0])]
+    )
+    _write_atomic(path, json.dumps(info, indent=2))
+
+
 @jax.jit
 def _finite_leaves(tree) -> Any:
     """Per leaf: ``True`` unless it is floating point and holds a NaN or Inf."""
@@ -231,6 +249,7 @@ def run(
     workdir = pathlib.Path(workdir)
     _prepare_workdir(config, workdir, overwrite)
     experiment = builders.build(config)
+    _record_execution(workdir, experiment.round_fn)
     server = builders.init_server(experiment)
     rounds = int(config.fed.rounds)
     eval_every = int(config.get("eval_every", 1))  # 0: only after the last round
