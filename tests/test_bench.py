@@ -495,6 +495,31 @@ def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, op
     _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
 
 
+def test_without_the_host_call_internals_host_lapack_rounds_stay_on_one_cpu_device(monkeypatch):
+    """Where the installed JAX lacks the internals `linalg`'s host call uses, `linalg` falls back
+    to `jax.pure_callback` (HOST_CALLS_SHARD False), which hangs on sharded CPU rounds: "auto"
+    then keeps SOAP states and low-rank compression on one device, and "sharded" is refused,
+    while FedPAC_Sophia (no host LAPACK) still shards."""
+    from fedorth.optim import linalg
+
+    monkeypatch.setattr(linalg, "HOST_CALLS_SHARD", False)
+    x, _ = _toy_federated((8, 8, 1), 16)
+    model = _toy_cnn("auto")
+    for name, optim, options in (
+        ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
+        ("local_soap", _SOAP_EVERY_STEP, {}),
+        ("fedmuon", {"name": "muon", "learning_rate": 0.01}, {"svd_ratio": 0.5}),
+    ):
+        algorithm = fed.get_algorithm(name, optim, **options)
+        round_fn, _ = _toy_round(model, algorithm, x, strategy="auto", local_steps=1, batch_size=4)
+        assert round_fn.strategy == "sequential", name
+        with pytest.raises(ValueError, match="run LAPACK on the host"):
+            _toy_round(model, algorithm, x, strategy="sharded", local_steps=1, batch_size=4)
+    sophia = fed.get_algorithm("fedpac", {"name": "sophia", "learning_rate": 0.01}, beta=0.5)
+    round_fn, _ = _toy_round(model, sophia, x, strategy="auto", local_steps=1, batch_size=4)
+    assert round_fn.strategy == "sharded"
+
+
 def test_auto_round_of_a_conv_model_shards_clients_and_equals_the_vmap_lax_round():
     """On CPU with several devices, "auto" lays a convolutional model's clients over the devices
     that divide S (here 2 of the 8 fake ones), each running its clients one at a time with the

@@ -63,7 +63,7 @@ def patch_round_fn(monkeypatch, *, stop_after: int | None = None) -> list[int]:
             return round_fn(server, data)
 
         wrapped.place = round_fn.place  # the loop places the server state where rounds read it
-        wrapped.strategy, wrapped.config = round_fn.strategy, round_fn.config
+        wrapped.strategy, wrapped.devices = round_fn.strategy, round_fn.devices
         experiment.round_fn = wrapped
         return experiment
 

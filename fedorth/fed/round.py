@@ -638,6 +638,7 @@ class RoundFn:
     Attributes:
       config: the round's settings, with ``strategy`` resolved (never ``"auto"``).
       strategy: ``config.strategy``.
+      devices: the devices a round runs on (the mesh's when sharded, else the default device).
 
     A ``"sharded"`` round reads the server state and the data replicated on
     :func:`client_mesh`: :meth:`place` puts a tree there (``jax.device_put`` returns an array
@@ -659,9 +660,12 @@ class RoundFn:
         self._sharding = None
         self._impl = None
         if self.strategy != "sharded":
+            self.devices = (jax.devices()[0],)
             self._jitted = jax.jit(round_fn, donate_argnums=(0,))
             return
-        self._sharding = NamedSharding(client_mesh(config), PartitionSpec())
+        mesh = client_mesh(config)
+        self.devices = tuple(mesh.devices.flat)
+        self._sharding = NamedSharding(mesh, PartitionSpec())
 
         def on_key_data(server, data):
             key = jax.random.wrap_key_data(server.key, impl=self._impl)

@@ -35,7 +35,7 @@ class Experiment:
     model: models.Model
     algorithm: fed.FedAlgorithm
     round_config: fed.RoundConfig
-    round_fn: Callable
+    round_fn: fed.RoundFn
     init_params: Any
     init_model_state: Any
 
@@ -215,7 +215,7 @@ class DryBuild:
     model: models.Model
     algorithm: fed.FedAlgorithm
     round_config: fed.RoundConfig
-    round_fn: Callable
+    round_fn: fed.RoundFn
     input_shape: tuple[int, ...]
     params: Any
     model_state: Any

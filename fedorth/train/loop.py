@@ -18,7 +18,6 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -150,6 +149,11 @@ def _prepare_workdir(
             elif target.exists():
                 target.unlink()
     _write_atomic(path, config_json)
+
+
+def _write_run_info(workdir: pathlib.Path, round_fn: fed.RoundFn) -> None:
+    """``run_info.json``: versions, commit, devices, and how the rounds run: the strategy
+    ``fed.strategy="auto"`` chose (``fed.resolve_strategy``) and the devices a round uses."""
     info = {
         "fedorth_version": fedorth.__version__,
         "git_commit": _git_commit(),
@@ -159,25 +163,10 @@ def _prepare_workdir(
         "devices": [str(d) for d in jax.devices()],
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "strategy": round_fn.strategy,
+        "round_devices": [str(d) for d in round_fn.devices],
     }
     _write_atomic(workdir / "run_info.json", json.dumps(info, indent=2))
-
-
-def _record_execution(workdir: pathlib.Path, round_fn: Callable) -> None:
-    """Adds to ``run_info.json`` how the rounds run: the strategy ``fed.strategy="auto"`` chose
-    (``fed.resolve_strategy``) and the devices a round uses (the mesh of a sharded round)."""
-    strategy = getattr(round_fn, "strategy", None)
-    if strategy is None:  # a plain function in place of fed.RoundFn
-        return
-    path = workdir / "run_info.json"
-    info = json.loads(path.read_text())
-    info["strategy"] = strategy
-    info["round_devices"] = (
-        [str(d) for d in fed.client_mesh(round_fn.config).devices.flat]
-        if strategy == "sharded"
-        else [str(jax.devices()[0])]
-    )
-    _write_atomic(path, json.dumps(info, indent=2))
 
 
 @jax.jit
@@ -249,7 +238,7 @@ def run(
     workdir = pathlib.Path(workdir)
     _prepare_workdir(config, workdir, overwrite)
     experiment = builders.build(config)
-    _record_execution(workdir, experiment.round_fn)
+    _write_run_info(workdir, experiment.round_fn)
     server = builders.init_server(experiment)
     rounds = int(config.fed.rounds)
     eval_every = int(config.get("eval_every", 1))  # 0: only after the last round
