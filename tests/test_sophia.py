@@ -9,7 +9,7 @@ import pytest
 from optax.contrib import _sophia as optax_sophia
 
 from fedorth.optim import SophiaState, scale_by_sophia, sophia
-from fedorth.optim.sophia import gnb_diagonal, hutchinson_diagonal
+from fedorth.optim.sophia import gnb_diagonal, hutchinson_diagonal, rademacher_like
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 SIZE = 16
@@ -59,10 +59,26 @@ def dense_hessian(seed, indefinite=False):
     return a
 
 
-def rademacher_probe(key):
+def np_packed_signs(key, sizes):
+    """NumPy reading of `rademacher_like`'s docstring: one flat ±1 vector per size (tree order).
+
+    Entry 32·i + j of the concatenated leaves is +1 where bit j of word i of
+    ``jax.random.bits(key, (ceil(n / 32),), uint32)`` is set, else −1.
+    """
+    total = sum(sizes)
+    words = np.asarray(jax.random.bits(key, (-(-total // 32),), jnp.uint32), np.uint64)
+    bits = (words[:, None] >> np.arange(32, dtype=np.uint64)) & 1
+    flat = np.where(bits.reshape(-1)[:total] == 1, 1.0, -1.0)
+    return np.split(flat, np.cumsum(sizes)[:-1])
+
+
+def rademacher_probe(key, probes="packed"):
     """The documented probe of `hutchinson_diagonal` for one key, as a flat NumPy vector."""
-    zeros = unflatten(jnp.zeros(SIZE))
-    return np_flatten(optax.tree.random_like(key, zeros, jax.random.rademacher, jnp.float32))
+    if probes == "optax":
+        zeros = unflatten(jnp.zeros(SIZE))
+        return np_flatten(optax.tree.random_like(key, zeros, jax.random.rademacher, jnp.float32))
+    b, w = np_packed_signs(key, [4, 12])  # tree order: "b" before "w"
+    return np.concatenate([w, b])
 
 
 # --------------------------------------------------------------------------------------
@@ -143,13 +159,63 @@ def test_hutchinson_matches_numpy_on_dense_hessian():
     f = quadratic(a, np.zeros(SIZE))
     params = unflatten(jnp.linspace(-1.0, 1.0, SIZE))
     key = jax.random.key(3)
-    for num_probes in (1, 3):
-        got = np_flatten(hutchinson_diagonal(f, params, key, num_probes))
-        keys = [key] if num_probes == 1 else list(jax.random.split(key, num_probes))
-        probes = [rademacher_probe(k) for k in keys]
-        assert all(set(np.unique(u)) == {-1.0, 1.0} for u in probes)
-        want = np.mean([u * (a @ u) for u in probes], axis=0)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for sampler in ("packed", "optax"):
+        for num_probes in (1, 3):
+            got = np_flatten(hutchinson_diagonal(f, params, key, num_probes, probes=sampler))
+            keys = [key] if num_probes == 1 else list(jax.random.split(key, num_probes))
+            probes = [rademacher_probe(k, sampler) for k in keys]
+            assert all(set(np.unique(u)) == {-1.0, 1.0} for u in probes)
+            want = np.mean([u * (a @ u) for u in probes], axis=0)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_signs_follow_the_documented_bits():
+    # Leaves of odd sizes (53 entries: the last word is partly used), several dtypes, a typed
+    # and a raw key: each leaf's signs are its slice of the unpacked words, in tree order.
+    tree = {
+        "a": jnp.zeros((3, 5), jnp.bfloat16),
+        "b": jnp.zeros((7,), jnp.float32),
+        "c": {"d": jnp.zeros((31,), jnp.float16)},
+    }
+    for key in (jax.random.key(21), jax.random.PRNGKey(21)):
+        got = jax.jit(rademacher_like)(key, tree)
+        leaves = jax.tree.leaves(got)
+        want = np_packed_signs(key, [leaf.size for leaf in leaves])
+        for leaf, ref, proto in zip(leaves, want, jax.tree.leaves(tree), strict=True):
+            assert leaf.dtype == proto.dtype and leaf.shape == proto.shape
+            np.testing.assert_array_equal(np.asarray(leaf, np.float64).ravel(), ref)
+
+
+def test_packed_signs_are_fair_independent_coins():
+    # 2**20 signs from one key: every statistic below is a sum of n independent ±1 terms under
+    # the Rademacher law, so it lies within 5/sqrt(n) of 0 (a 5-sigma bound; these are fixed
+    # draws, so the test is deterministic). A sampler that reused bits across words or bit
+    # positions, or leaked a bias, would put one of them far outside.
+    n = 2**20
+    u = np.asarray(rademacher_like(jax.random.key(5), jnp.zeros(n)), np.float64)
+    assert set(np.unique(u)) == {-1.0, 1.0}
+    assert abs(u.mean()) < 5 / np.sqrt(n)
+    by_position = u.reshape(-1, 32)  # column j: bit j of every word
+    assert np.all(np.abs(by_position.mean(axis=0)) < 5 / np.sqrt(n // 32))
+    for lag in (1, 31, 32, 33, 64):  # neighbouring bits and the same bit of neighbouring words
+        assert abs(np.mean(u[:-lag] * u[lag:])) < 5 / np.sqrt(n - lag)
+    # Different keys, different signs (agreement of two independent draws is 1/2 on average).
+    v = np.asarray(rademacher_like(jax.random.key(6), jnp.zeros(n)), np.float64)
+    assert abs(np.mean(u * v)) < 5 / np.sqrt(n)
+
+
+def test_packed_hutchinson_is_unbiased_with_the_rademacher_variance():
+    # E[u ⊙ Au] = diag(A), and for Rademacher u, Var[(u ⊙ Au)_i] = Σ_{j≠i} A_ij²: the mean of
+    # P probes must lie within 5 standard errors of diag(A) in every coordinate.
+    a = dense_hessian(8, indefinite=True)
+    f = quadratic(a, np.zeros(SIZE))
+    params = unflatten(jnp.zeros(SIZE))
+    num_probes = 4096
+    got = np_flatten(hutchinson_diagonal(f, params, jax.random.key(2), num_probes))
+    off = a - np.diag(np.diag(a))
+    stderr = np.sqrt((off**2).sum(axis=1) / num_probes)
+    assert np.all(np.abs(got - np.diag(a)) < 5 * stderr)
+    assert np.any(np.abs(got - np.diag(a)) > 0.05 * stderr)  # a real estimate, not diag(A)
 
 
 def test_default_probe_key_is_seed_folded_with_count():
@@ -176,7 +242,7 @@ def test_matches_optax_contrib_sophia_with_same_probes():
     a = dense_hessian(5, indefinite=True)
     f = quadratic(a, np.linspace(-1, 1, SIZE))
     hyper = dict(b1=0.9, b2=0.95, eps=1e-8, update_interval=3)
-    ours = scale_by_sophia(rho=0.05, clip_mode="optax", **hyper)
+    ours = scale_by_sophia(rho=0.05, clip_mode="optax", probes="optax", **hyper)
     theirs = optax_sophia.scale_by_sophia(
         gamma=0.05,
         clip_threshold=1.0,
@@ -549,6 +615,7 @@ def test_mu_dtype_and_low_precision_params():
         ({"estimator": "fisher"}, r"estimator='fisher'.*\('hutchinson', 'gnb'\)"),
         ({"clip_mode": "sophia_g"}, r"clip_mode='sophia_g'.*\('paper', 'optax'\)"),
         ({"num_probes": 0}, "num_probes=0"),
+        ({"probes": "gaussian"}, r"probes='gaussian'.*\('packed', 'optax'\)"),
         ({"b2": 1.0}, "b2=1.0"),
     ],
 )

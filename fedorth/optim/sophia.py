@@ -38,6 +38,7 @@ from optax._src import numerics
 
 ESTIMATORS = ("hutchinson", "gnb")
 CLIP_MODES = ("paper", "optax")
+PROBES = ("packed", "optax")
 
 
 class SophiaState(NamedTuple):
@@ -48,8 +49,47 @@ class SophiaState(NamedTuple):
     nu: optax.Updates  # EMA h of the diagonal Hessian estimate
 
 
+def rademacher_like(key: jax.Array, tree: optax.Params) -> optax.Params:
+    """Independent, uniform ±1 entries shaped like ``tree`` (each leaf in its dtype), one bit each.
+
+    The n entries of all leaves (flattened in tree order and concatenated) take their signs from
+    ``w = jax.random.bits(key, (ceil(n / 32),), uint32)``: entry ``32·i + j`` is +1 where bit j
+    of ``w[i]`` is set and −1 where it is clear. Every bit of the counter-based generator is a
+    fair, independent coin, so this is the Rademacher distribution of ``jax.random.rademacher``,
+    which spends 32 random bits per sign (it draws a uniform float): 1/32 of the generator work.
+    Measured (2-core CPU, threefry keys, the bench's 4.2 M-parameter MLP): 0.6 ms against 22 ms
+    for ``optax.tree.random_like(key, params, jax.random.rademacher)``, and that draw was two
+    thirds of a Hutchinson estimate (32 ms; the Hessian-vector product itself 9.5 ms).
+
+    Args:
+      key: a PRNG key (typed or raw).
+      tree: a pytree of arrays (only shapes and dtypes are used).
+
+    Returns:
+      A tree like ``tree`` of ±1.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    total = sum(leaf.size for leaf in leaves)
+    words = jax.random.bits(key, (max(1, -(-total // 32)),), jnp.uint32)
+    bits = (words[:, None] >> jnp.arange(32, dtype=jnp.uint32)[None, :]) & 1
+    bits = bits.reshape(-1)
+    out, start = [], 0
+    for leaf in leaves:
+        b = bits[start : start + leaf.size].reshape(leaf.shape)
+        out.append((2 * b.astype(jnp.int32) - 1).astype(leaf.dtype))
+        start += leaf.size
+    return treedef.unflatten(out)
+
+
+def _probe(probes: str, key: jax.Array, params: optax.Params) -> optax.Params:
+    if probes == "packed":
+        return rademacher_like(key, params)
+    signs = optax.tree.random_like(key, params, jax.random.rademacher, jnp.float32)
+    return jax.tree.map(lambda s, p: s.astype(p.dtype), signs, params)
+
+
 def _mean_over_probes(estimate_fn, key: jax.Array, num_probes: int) -> optax.Updates:
-    # One probe uses the key itself, which keeps probes identical to optax.contrib's
+    # One probe uses the key itself, which keeps probes="optax" identical to optax.contrib's
     # Hutchinson estimator when it is handed the same key. Several probes run one after the
     # other (lax.map), so memory stays that of one estimate.
     if num_probes == 1:
@@ -63,28 +103,35 @@ def hutchinson_diagonal(
     params: optax.Params,
     key: jax.Array,
     num_probes: int = 1,
+    probes: str = "packed",
 ) -> optax.Updates:
     """Hutchinson estimate of diag(∇²f): ĥ = mean_p u_p ⊙ (∇²f(θ) u_p), u_p Rademacher.
 
     The Hessian-vector product is forward-over-reverse, ``jax.jvp(jax.grad(obj_fn), (θ,), (u,))``
-    (Pearlmutter), one per probe. Probe p's signs are ``optax.tree.random_like(k_p, params,
-    jax.random.rademacher, float32)`` cast to each leaf's dtype, with k_0 = ``key`` when
-    ``num_probes == 1`` and k_p = ``jax.random.split(key, num_probes)[p]`` otherwise.
+    (Pearlmutter), one per probe. Probe p's signs are ``rademacher_like(k_p, params)``
+    (``probes="packed"``: one random bit per sign) or ``optax.tree.random_like(k_p, params,
+    jax.random.rademacher, float32)`` cast to each leaf's dtype (``probes="optax"``: the probes
+    of ``optax.contrib``'s Hutchinson estimator, 32 times the random bits), with k_0 = ``key``
+    when ``num_probes == 1`` and k_p = ``jax.random.split(key, num_probes)[p]`` otherwise. Both
+    are exact Rademacher draws; they differ only in which signs a key gives.
 
     Args:
       obj_fn: ``obj_fn(params) -> scalar`` loss whose Hessian diagonal is estimated.
       params: the point θ.
       key: PRNG key for the probes.
       num_probes: number of probes averaged.
+      probes: ``"packed"`` or ``"optax"``, the sign sampler (above).
 
     Returns:
       A tree like ``params`` holding ĥ (seed 004, Alg. 8 lines 10–12).
     """
     grad_fn = jax.grad(obj_fn)
 
+    if probes not in PROBES:
+        raise ValueError(f"hutchinson_diagonal: probes={probes!r}; choose one of {PROBES}.")
+
     def one_probe(probe_key):
-        signs = optax.tree.random_like(probe_key, params, jax.random.rademacher, jnp.float32)
-        signs = jax.tree.map(lambda s, p: s.astype(p.dtype), signs, params)
+        signs = _probe(probes, probe_key, params)
         hvp = jax.jvp(grad_fn, (params,), (signs,))[1]
         return jax.tree.map(jnp.multiply, signs, hvp)
 
@@ -144,7 +191,7 @@ def _missing(estimator: str, names: tuple[str, ...], extra: dict[str, Any]) -> N
         )
 
 
-def _check(b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode) -> int:
+def _check(b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode, probes) -> int:
     for name, value in (("b1", b1), ("b2", b2)):
         if isinstance(value, float | int) and not 0.0 <= value < 1.0:
             raise ValueError(f"scale_by_sophia: {name}={value!r} must lie in [0, 1).")
@@ -167,6 +214,8 @@ def _check(b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode) 
         raise ValueError(f"scale_by_sophia: clip_mode={clip_mode!r}; choose one of {CLIP_MODES}.")
     if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
         raise ValueError(f"scale_by_sophia: num_probes={num_probes!r} must be an int >= 1.")
+    if probes not in PROBES:
+        raise ValueError(f"scale_by_sophia: probes={probes!r}; choose one of {PROBES}.")
     return interval
 
 
@@ -182,6 +231,7 @@ def scale_by_sophia(
     clip_mode: str = "paper",
     mu_dtype: Any | None = None,
     seed: int = 0,
+    probes: str = "packed",
 ) -> optax.GradientTransformationExtraArgs:
     """Sophia direction D = clip(m / max(h, ε), ±ρ) with an occasionally refreshed Hessian EMA h.
 
@@ -217,6 +267,9 @@ def scale_by_sophia(
         ``gamma=rho, clip_threshold=1``); see the module docstring.
       mu_dtype: dtype of m in the state (``None``: the gradient's dtype).
       seed: seed of the probe keys when neither ``hessian_key`` nor ``key`` is passed.
+      probes: Hutchinson's sign sampler, ``"packed"`` (`rademacher_like`, one random bit per
+        sign) or ``"optax"`` (the signs ``optax.contrib`` draws from the same key, 32 times the
+        generator work); see `hutchinson_diagonal`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `SophiaState`.
@@ -225,7 +278,7 @@ def scale_by_sophia(
       Liu et al., "Sophia: A Scalable Stochastic Second-order Optimizer for Language Model
       Pre-training", 2023 (arXiv:2305.14342); seed 004 (FedPAC), Appendix Alg. 8 and 9.
     """
-    interval = _check(b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode)
+    interval = _check(b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode, probes)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     needs = {"hutchinson": ("obj_fn",), "gnb": ("logits_fn", "loss_from_logits")}[estimator]
 
@@ -248,7 +301,7 @@ def scale_by_sophia(
 
         def refresh(nu):
             if estimator == "hutchinson":
-                est = hutchinson_diagonal(extra["obj_fn"], params, key, num_probes)
+                est = hutchinson_diagonal(extra["obj_fn"], params, key, num_probes, probes)
             else:
                 est = gnb_diagonal(
                     extra["logits_fn"], extra["loss_from_logits"], params, key, num_probes
@@ -302,6 +355,7 @@ def sophia(
     clip_mode: str = "paper",
     mu_dtype: Any | None = None,
     seed: int = 0,
+    probes: str = "packed",
 ) -> optax.GradientTransformationExtraArgs:
     """Sophia: θ ← θ − η·(D + λ·θ), D from `scale_by_sophia` (seed 004, Alg. 8 line 19).
 
@@ -312,8 +366,8 @@ def sophia(
 
     Args:
       learning_rate: η, a float or an optax schedule.
-      b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode, mu_dtype, seed:
-        see `scale_by_sophia`.
+      b1, b2, rho, eps, update_interval, estimator, num_probes, clip_mode, mu_dtype, seed,
+        probes: see `scale_by_sophia`.
       weight_decay: λ.
       weight_decay_mask: mask tree or callable for ``optax.add_decayed_weights``.
 
@@ -334,6 +388,7 @@ def sophia(
             clip_mode=clip_mode,
             mu_dtype=mu_dtype,
             seed=seed,
+            probes=probes,
         ),
         optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
