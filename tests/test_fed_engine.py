@@ -152,6 +152,36 @@ def test_round_compiles_once(strategy):
         assert server.params["w"].sharding.mesh.shape == {"clients": 2}, "S = 2 of 8 devices"
 
 
+def test_sharded_round_uses_each_calls_key_implementation():
+    """A sharded round passes the server key as raw key data; rbg and unsafe_rbg keys have the
+    same data shape (4,), so a round first called with one must not rewrap the other as it: the
+    reused round must equal a fresh one (bit for bit, same program) for the second kind, and
+    hand back a key of that kind."""
+    alg = fed.get_algorithm("fedavg", {"name": "sgd"})
+    config = fed.RoundConfig(
+        num_clients=4, clients_per_round=2, local_steps=2, learning_rate=0.1, strategy="sharded"
+    )
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+
+    def after_one_round(round_fn, impl):
+        data = round_fn.place(jax.tree.map(jnp.asarray, fp.quadratic_clients(4)))
+        key = jax.random.key(0, impl=impl)
+        server = fed.init_server(alg, params, {}, num_clients=4, key=key)
+        return round_fn(server, data)[0]
+
+    reused = fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config)
+    first = after_one_round(reused, "rbg")
+    second = after_one_round(reused, "unsafe_rbg")
+    fresh = after_one_round(
+        fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config), "unsafe_rbg"
+    )
+    assert str(jax.random.key_impl(first.key)) == "rbg"
+    assert str(jax.random.key_impl(second.key)) == "unsafe_rbg"
+    for a, b in zip(jax.tree.leaves(second.params), jax.tree.leaves(fresh.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first.params["w"], second.params["w"]), "the keys draw differently"
+
+
 def test_client_drift_and_preconditioner_drift_match_numpy():
     rng = np.random.default_rng(0)
     deltas = {"a": rng.normal(size=(5, 3, 2)), "b": rng.normal(size=(5, 4))}

@@ -650,7 +650,10 @@ class RoundFn:
     On the sharded path the server's typed PRNG key crosses the jitted call as its raw
     ``key_data``: a typed key coming back from a mesh-sharded ``jit`` adds an entry to the jitted
     function's fast-path cache (jax 0.10.2: a second entry in round 3, without recompiling),
-    which would hide a real recompilation from ``_cache_size``. Other attributes (``lower``,
+    which would hide a real recompilation from ``_cache_size``. The key's implementation (e.g.
+    ``"threefry2x32"``) is a static argument of that call, read from each call's key, so keys of
+    another implementation with the same data shape (``rbg`` and ``unsafe_rbg``) compile their
+    own round instead of being rewrapped as the first one's. Other attributes (``lower``,
     ``_cache_size``) are the jitted function's.
     """
 
@@ -658,7 +661,6 @@ class RoundFn:
         self.config = config
         self.strategy = config.strategy
         self._sharding = None
-        self._impl = None
         if self.strategy != "sharded":
             self.devices = (jax.devices()[0],)
             self._jitted = jax.jit(round_fn, donate_argnums=(0,))
@@ -667,12 +669,14 @@ class RoundFn:
         self.devices = tuple(mesh.devices.flat)
         self._sharding = NamedSharding(mesh, PartitionSpec())
 
-        def on_key_data(server, data):
-            key = jax.random.wrap_key_data(server.key, impl=self._impl)
+        def on_key_data(server, data, impl):
+            key = jax.random.wrap_key_data(server.key, impl=impl)
             server, metrics = round_fn(server.replace(key=key), data)
             return server.replace(key=jax.random.key_data(server.key)), metrics
 
-        self._jitted = jax.jit(on_key_data, donate_argnums=(0,), out_shardings=self._sharding)
+        self._jitted = jax.jit(
+            on_key_data, donate_argnums=(0,), static_argnums=(2,), out_shardings=self._sharding
+        )
 
     def place(self, tree: PyTree) -> PyTree:
         """``tree`` placed where this round reads it (replicated on the mesh when sharded)."""
@@ -683,13 +687,14 @@ class RoundFn:
     def _arguments(self, server: ServerState, data: PyTree):
         if self._sharding is None:
             return server, data
-        self._impl = jax.random.key_impl(server.key)
-        return self.place((server.replace(key=jax.random.key_data(server.key)), data))
+        raw = server.replace(key=jax.random.key_data(server.key))
+        return (*self.place((raw, data)), jax.random.key_impl(server.key))
 
     def __call__(self, server: ServerState, data: PyTree):
-        new, metrics = self._jitted(*self._arguments(server, data))
+        arguments = self._arguments(server, data)
+        new, metrics = self._jitted(*arguments)
         if self._sharding is not None:
-            new = new.replace(key=jax.random.wrap_key_data(new.key, impl=self._impl))
+            new = new.replace(key=jax.random.wrap_key_data(new.key, impl=arguments[-1]))
         return new, metrics
 
     def lower(self, server: ServerState, data: PyTree):
