@@ -1,6 +1,7 @@
 """GLUE with a subword tokenizer (fedorth.data.glue), on TFDS mock data and a tokenizer trained
 inside the test with RoBERTa's post-processor (<s> A </s></s> B </s>)."""
 
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -68,6 +69,23 @@ def test_glue_without_a_tokenizer_says_how_to_get_one():
     with pytest.raises(ValueError, match=r"data.dataset_kwargs.tokenizer=PATH.*roberta-base"):
         glue.load_glue("rte")
     assert builders.input_spec("glue/sst2")[0] == (64,)  # the word-level RNN setting is kept
+
+
+def test_glue_with_a_missing_tokenizer_names_robertas(tmp_path):
+    """GLUE runs RoBERTa: a tokenizer path that holds nothing gets RoBERTa's download command
+    (`hf download`, huggingface_hub's command), not T5's, from the loader and the config check."""
+    missing = str(tmp_path / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match=r"`hf download roberta-base tokenizer.json") as e:
+        glue.load_glue("rte", tokenizer=missing)
+    assert "t5" not in str(e.value) and "\n" not in str(e.value)
+    config = ml_collections.ConfigDict(
+        {
+            "data": {"name": "glue/rte", "dataset_kwargs": {"tokenizer": missing}},
+            "model": {"name": "roberta_base"},
+        }
+    )
+    with pytest.raises(FileNotFoundError, match=r"`hf download roberta-base tokenizer.json"):
+        builders._check_tokenizer(config)
 
 
 def test_dirichlet_label_split_of_glue_labels():

@@ -67,7 +67,7 @@ def test_a_tokenizer_file_is_loaded_once_per_version(tmp_path):
 
 def test_missing_and_malformed_tokenizers_are_one_line_errors(tmp_path):
     with pytest.raises(
-        tok.TokenizerNotFoundError, match=r"tokenizer=.*no such file.*huggingface-cli"
+        tok.TokenizerNotFoundError, match=r"tokenizer=.*no such file.*`hf download t5-base "
     ):
         tok.load_tokenizer(tmp_path / "nope.json")
     with pytest.raises(tok.TokenizerNotFoundError, match="folder without any of"):

@@ -277,7 +277,7 @@ def test_one_round_of_a_lora_preset_on_the_fixture(tmp_path):
     config.model.lora_rank = 4
     config.model.lora_alpha = 4.0
     config.data.dataset_kwargs.max_len = 24
-    with pytest.raises(ValueError, match=r"tokenizer=PATH.*huggingface-cli download roberta-base"):
+    with pytest.raises(ValueError, match=r"tokenizer=PATH.*`hf download roberta-base "):
         builders.build(config)  # the preset's placeholder: the message says how to get it
     config.data.dataset_kwargs.tokenizer = _tiny_tokenizer(tmp_path, 400)
     with pytest.raises(ValueError, match=r"has \d+ ids but model.vocab_size=120"):

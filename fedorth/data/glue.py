@@ -42,7 +42,8 @@ GLUE_TASKS: dict[str, GlueTask] = {
 def _tokenizer(path: str, max_len: int):
     from fedorth.data.tokenizer import load_tokenizer
 
-    subword = load_tokenizer(path)  # one-line errors for missing or malformed files
+    # One-line errors for missing or malformed files, naming RoBERTa's tokenizer.
+    subword = load_tokenizer(path, hub_name="roberta-base")
     if subword.path.suffix != ".json":
         raise ValueError(
             f"data.dataset_kwargs.tokenizer={path!r}: GLUE needs the model's tokenizer.json "
@@ -103,8 +104,8 @@ def load_glue(
     if not tokenizer:
         raise ValueError(
             f"data.name='glue/{task}' with subword tokens needs data.dataset_kwargs.tokenizer="
-            "PATH (the model's tokenizer.json, e.g. from `huggingface-cli download roberta-base "
-            "tokenizer.json`)."
+            "PATH (the model's tokenizer.json, e.g. from `hf download roberta-base "
+            "tokenizer.json --local-dir DIR`)."
         )
     spec = GLUE_TASKS[task]
     encoder, pad, vocab_size = _tokenizer(tokenizer, int(max_len))

@@ -29,12 +29,15 @@ __all__ = ["SubwordTokenizer", "TokenizerNotFoundError", "load_tokenizer"]
 
 _FILE_NAMES = ("tokenizer.json", "spiece.model", "tokenizer.model", "sentencepiece.model")
 
-_HOW_TO_GET = (
-    "Download the T5 tokenizer once on a machine with network access, e.g. "
-    "`huggingface-cli download t5-base tokenizer.json spiece.model --local-dir DIR` "
-    "(or copy tokenizer.json from any Hugging Face snapshot), then pass "
-    "data.dataset_kwargs.tokenizer=DIR/tokenizer.json"
-)
+
+def _how_to_get(hub_name: str) -> str:
+    """The download hint for the tokenizer of the Hugging Face model ``hub_name``."""
+    return (
+        f"Download {hub_name}'s tokenizer once on a machine with network access "
+        f"(`hf download {hub_name} tokenizer.json --local-dir DIR`, or copy tokenizer.json "
+        "from the model's Hugging Face snapshot), then pass "
+        "data.dataset_kwargs.tokenizer=DIR/tokenizer.json"
+    )
 
 
 class TokenizerNotFoundError(FileNotFoundError):
@@ -76,7 +79,7 @@ class SubwordTokenizer:
         return f"SubwordTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-def _resolve(path: str | os.PathLike) -> pathlib.Path:
+def _resolve(path: str | os.PathLike, hub_name: str) -> pathlib.Path:
     candidate = pathlib.Path(path).expanduser()
     if candidate.is_dir():
         for name in _FILE_NAMES:
@@ -84,11 +87,11 @@ def _resolve(path: str | os.PathLike) -> pathlib.Path:
                 return candidate / name
         raise TokenizerNotFoundError(
             f"data.dataset_kwargs.tokenizer={str(path)!r} is a folder without any of "
-            f"{list(_FILE_NAMES)}. {_HOW_TO_GET}."
+            f"{list(_FILE_NAMES)}. {_how_to_get(hub_name)}."
         )
     if not candidate.is_file():
         raise TokenizerNotFoundError(
-            f"data.dataset_kwargs.tokenizer={str(path)!r}: no such file. {_HOW_TO_GET}."
+            f"data.dataset_kwargs.tokenizer={str(path)!r}: no such file. {_how_to_get(hub_name)}."
         )
     return candidate
 
@@ -104,7 +107,7 @@ def _eos_of_json(tokenizer, path: pathlib.Path) -> int:
     )
 
 
-def _load_json(path: pathlib.Path) -> SubwordTokenizer:
+def _load_json(path: pathlib.Path, hub_name: str) -> SubwordTokenizer:
     from tokenizers import Tokenizer
 
     try:
@@ -112,7 +115,7 @@ def _load_json(path: pathlib.Path) -> SubwordTokenizer:
     except Exception as error:  # the library raises a bare Exception on malformed files
         raise ValueError(
             f"data.dataset_kwargs.tokenizer={str(path)!r} is not a tokenizers JSON file "
-            f"({error}). {_HOW_TO_GET}."
+            f"({error}). {_how_to_get(hub_name)}."
         ) from None
     eos = _eos_of_json(tokenizer, path)
     base = tokenizer.get_vocab_size(with_added_tokens=False)
@@ -142,30 +145,35 @@ def _load_sentencepiece(path: pathlib.Path) -> SubwordTokenizer:
     )
 
 
-def load_tokenizer(path: str | os.PathLike) -> SubwordTokenizer:
+def load_tokenizer(path: str | os.PathLike, *, hub_name: str = "t5-base") -> SubwordTokenizer:
     """Load a subword tokenizer from ``tokenizer.json``, a SentencePiece model, or their folder.
 
     Args:
       path: a ``tokenizer.json`` or ``*.model`` file, or a folder holding one (checked in the
         order tokenizer.json, spiece.model, tokenizer.model, sentencepiece.model).
+      hub_name: the Hugging Face model whose tokenizer the run expects (``t5-base`` for C4,
+        ``roberta-base`` for GLUE): the error messages say how to download it.
 
     Returns:
       A :class:`SubwordTokenizer`.
 
     Raises:
-      TokenizerNotFoundError: nothing at ``path``; the message says how to get the T5 tokenizer.
+      TokenizerNotFoundError: nothing at ``path``; the message says how to get ``hub_name``'s
+        tokenizer.
     """
-    resolved = _resolve(path)
+    resolved = _resolve(path, hub_name)
     stat = resolved.stat()
-    return _load_cached(resolved, stat.st_mtime_ns, stat.st_size)
+    return _load_cached(resolved, stat.st_mtime_ns, stat.st_size, hub_name)
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(resolved: pathlib.Path, mtime_ns: int, size: int) -> SubwordTokenizer:
+def _load_cached(
+    resolved: pathlib.Path, mtime_ns: int, size: int, hub_name: str
+) -> SubwordTokenizer:
     """One load per file version: the config check, the model build and the data loader all
     ask for the same tokenizer (a 32k-piece tokenizer.json takes a noticeable fraction of a
     second to parse); a rewritten file (new mtime or size) is loaded again."""
     del mtime_ns, size  # the cache key
     if resolved.suffix == ".json":
-        return _load_json(resolved)
+        return _load_json(resolved, hub_name)
     return _load_sentencepiece(resolved)

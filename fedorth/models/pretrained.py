@@ -217,7 +217,7 @@ def _files_in(folder: pathlib.Path) -> list[pathlib.Path] | None:
 def _how_to_get(source: str, example: str) -> str:
     name = source if "/" in source and not pathlib.Path(source).exists() else example
     return (
-        f"download it once on a machine with network access (`huggingface-cli download {name} "
+        f"download it once on a machine with network access (`hf download {name} "
         f"model.safetensors config.json --local-dir DIR`) and pass model.pretrained=DIR, or put "
         f"it in the Hugging Face cache ({_hub_cache()})"
     )

@@ -175,12 +175,12 @@ def _check_tokenizer(config: ml_collections.ConfigDict) -> None:
             raise ValueError(
                 f"data.name={name!r} with model.name='roberta_base' needs "
                 "--config.data.dataset_kwargs.tokenizer=PATH: RoBERTa's tokenizer.json (get it "
-                "once with `huggingface-cli download roberta-base tokenizer.json --local-dir "
-                "DIR`; docs/FINETUNING.md)."
+                "once with `hf download roberta-base tokenizer.json --local-dir DIR`; "
+                "docs/FINETUNING.md)."
             )
         from fedorth.data.tokenizer import load_tokenizer
 
-        ids = load_tokenizer(kwargs["tokenizer"]).vocab_size
+        ids = load_tokenizer(kwargs["tokenizer"], hub_name="roberta-base").vocab_size
         vocab = int(config.model.get("vocab_size", 50265))  # roberta_base's default
         if ids > vocab:  # JAX clamps out-of-range gathers: wrong tokens, silently
             raise ValueError(
