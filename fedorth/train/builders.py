@@ -49,10 +49,16 @@ def _to_dict(section: ml_collections.ConfigDict | None) -> dict[str, Any]:
 
 
 def learning_rate_schedule(optim: ml_collections.ConfigDict, rounds: int):
-    """The local learning rate ``eta_r`` as a function of the round (or a float)."""
-    lr = float(optim.learning_rate)
-    if not lr > 0:
-        raise ValueError(f"optim.learning_rate={lr} must be > 0.")
+    """The local learning rate ``eta_r`` as a function of the round (or a float).
+
+    ``optim.learning_rate`` may be a traced scalar (a sweep's replicas, ``fedorth.sweep``): the
+    schedule is then a function of it, and its values were checked before tracing.
+    """
+    lr = optim.learning_rate
+    if not isinstance(lr, jax.core.Tracer):
+        lr = float(lr)
+        if not lr > 0:
+            raise ValueError(f"optim.learning_rate={lr} must be > 0.")
     schedule = optim.get("schedule", "constant")
     if schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule={schedule!r}; valid: {SCHEDULES}.")
