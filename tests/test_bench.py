@@ -1,4 +1,4 @@
-"""Tests for the round benchmark (experiments/bench_round.py) and its PyTorch peer.
+"""Tests for the benchmark package (experiments/bench/) and its PyTorch peer.
 
 They check the pieces the numbers rest on: the FLOP count (a dense step against its analytic
 count), that the ``--quick`` subcommand runs and writes every field, that the torch peer does the
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench, bench_round, bench_round_runners
+from experiments.bench import budget, cli, flops, presets, rounds, runners, workloads
 from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.round import resolve_strategy
@@ -54,16 +54,16 @@ def test_dense_step_flops_match_the_analytic_count():
         return 0.5 * jnp.sum(y * y), (model_state, {})
 
     params = {"w": jnp.ones((i, o))}
-    flops = bench_round.step_flops(loss_fn, params, {}, {"x": jnp.ones((b, i))}, None)
+    counted = flops.step_flops(loss_fn, params, {}, {"x": jnp.ones((b, i))}, None)
     analytic = 4 * b * i * o
-    assert abs(flops - analytic) / analytic < 0.01, (flops, analytic)
+    assert abs(counted - analytic) / analytic < 0.01, (counted, analytic)
 
 
 def test_muon_flops_sum_newton_schulz_over_matrix_views():
     """Conv kernels count as (kh·kw·in, out) matrices; vectors do not count."""
     params = {"conv": jnp.zeros((5, 5, 3, 32)), "bias": jnp.zeros(32), "dense": jnp.zeros((64, 10))}
     expected = newton_schulz_flops((75, 32), 5) + newton_schulz_flops((64, 10), 5)
-    assert bench_round.muon_flops(params) == expected
+    assert flops.muon_flops(params) == expected
     # 75×32: per step 4·32²·75 + 2·32³ (newton_schulz_flops' docstring).
     assert newton_schulz_flops((75, 32), 1) == 4 * 32 * 32 * 75 + 2 * 32**3
 
@@ -74,7 +74,6 @@ def test_conv_step_flops_match_the_hand_count(impl):
     2·B·H·W·kh·kw·cin·cout (padded borders included, as im2col's dot computes them), a step
     3× that (backward = input and weight gradients, one product each). XLA:GPU's cost analysis
     counted none of it (cuDNN calls): full-width resnet18 read 88 GFLOP/s where ~50 TFLOP/s ran."""
-    from experiments.bench_round_common import model_step_flops
     from fedorth.models.layers import _CONV_FNS
 
     b, h, w, cin, cout, k = 2, 8, 8, 16, 4, 3
@@ -88,31 +87,30 @@ def test_conv_step_flops_match_the_hand_count(impl):
         return 0.5 * jnp.sum(y * y), (model_state, {})
 
     params = {"w": jnp.ones((k, k, cin, cout))}
-    flops = model_step_flops(loss_fn, params, {}, {"x": jnp.ones((b, h, w, cin))}, None)
-    assert flops == 3 * 2 * b * h * w * k * k * cin * cout
+    flops_count = flops.model_step_flops(loss_fn, params, {}, {"x": jnp.ones((b, h, w, cin))}, None)
+    assert flops_count == 3 * 2 * b * h * w * k * k * cin * cout
 
 
 def test_resnet18_cifar100_step_flops_match_the_layer_by_layer_count():
     """The papers' ResNet-18 (CIFAR stem, full width, 100 classes) at batch 50: 3 × (2 × the
     multiply-adds of every convolution and the classifier), counted by hand from the layer
     shapes; 0.56 GMAC per image forward, the figure usually quoted for this network."""
-    from experiments.bench_round_common import model_step_flops
 
-    workload = bench_round.WORKLOADS["resnet18_cifar100"]
+    workload = workloads.WORKLOADS["resnet18_cifar100"]
     assert (workload.model, workload.num_classes, dict(workload.kwargs)) == (
         "resnet18", 100, {"width": 1.0}
     )  # fmt: skip
-    model = bench_round.build_model(workload, "auto")
+    model = workloads.build_model(workload, "auto")
     x = jax.ShapeDtypeStruct((50, 32, 32, 3), jnp.float32)
     params, state = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), x)
     batch = {"x": x, "y": jax.ShapeDtypeStruct((50,), jnp.int32)}
-    flops = model_step_flops(model.loss_fn, params, state, batch, jax.random.key(1))
+    flops_count = flops.model_step_flops(model.loss_fn, params, state, batch, jax.random.key(1))
     macs = 32 * 32 * 9 * 3 * 64 + 4 * 32 * 32 * 9 * 64 * 64  # stem, stage 1
     for side, c_in, c in ((16, 64, 128), (8, 128, 256), (4, 256, 512)):
         macs += side * side * (9 * c_in * c + 3 * 9 * c * c + c_in * c)  # 3x3 convs + 1x1 shortcut
     macs += 512 * 100
     assert round(macs / 1e7) == 56, macs
-    assert flops == 3 * 2 * 50 * macs, (flops, 3 * 2 * 50 * macs)
+    assert flops_count == 3 * 2 * 50 * macs, (flops_count, 3 * 2 * 50 * macs)
 
 
 # ----------------------------------------------------------------------------- the subcommand
@@ -128,7 +126,7 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     path = tmp_path / "round.json"
     argv = ["round", "--quick", "--memory", "--json", str(path)]
     argv += [] if torch is not None else ["--peers", "jax_loop"]
-    assert bench.main(["bench", *argv]) == 0
+    assert cli.main(["bench", *argv]) == 0
     result = json.loads(path.read_text())
     keys = ("date", "device", "cpu_threads", "jax", "openblas_threads", "command", "rows")
     for key in (*keys, "matmul_gflops"):
@@ -204,7 +202,7 @@ def test_scaling_children_get_the_device_count_they_ask_for():
     """`--scaling` times `sharded` on 1 and 2 devices in child processes. The parent, like every
     `python -m experiments.*`, has JAX_NUM_CPU_DEVICES set, which wins over XLA_FLAGS' forced
     count: until session 7 both children inherited 2 devices (a 0.97x "speedup" for 2 vs 2)."""
-    from experiments.bench_round_sections import cpu_devices_env
+    from experiments.bench.sections import cpu_devices_env
 
     parent = dict(os.environ) | {
         "JAX_NUM_CPU_DEVICES": "2",
@@ -225,7 +223,7 @@ def test_scaling_children_get_the_device_count_they_ask_for():
 
 def test_bad_choices_name_the_flag():
     with pytest.raises(ValueError, match="--workloads='vgg'"):
-        bench_round.parse_args(["--workloads", "vgg"])
+        rounds.parse_args(["--workloads", "vgg"])
     with pytest.raises(ValueError, match="fed.unroll=0; valid: an int >= 1 or True"):
         fed.RoundConfig(4, 2, 3, 0.1, unroll=0).validate(
             fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
@@ -238,8 +236,8 @@ def test_bad_choices_name_the_flag():
 @needs_torch
 def test_peer_models_have_fedorth_parameter_counts():
     torch.manual_seed(0)
-    for name, w in bench_round.WORKLOADS.items():
-        model = bench_round.build_model(w, "auto")
+    for name, w in workloads.WORKLOADS.items():
+        model = workloads.build_model(w, "auto")
         x = jnp.zeros((1, *w.input_shape))
         shapes = jax.eval_shape(lambda x, m=model: m.init(jax.random.key(0), x)[0], x)
         ours = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
@@ -271,7 +269,7 @@ def test_peer_fedavg_round_equals_numpy_sgd():
         clients_per_round=2, local_steps=steps, batch_size=3, learning_rate=lr, device="cpu",
     )  # fmt: skip
     # The bench shares JAX's device with the peer: the CPU here (cuda on a GPU machine).
-    assert bench_round_runners.torch_device() == "cpu" and peer.x.device.type == "cpu"
+    assert runners.torch_device() == "cpu" and peer.x.device.type == "cpu"
     peer.run_round()
     peer.synchronize()
     finals = []
@@ -705,22 +703,22 @@ def test_budget_shares_the_time_left_and_repeats_stop_at_the_share():
     (3 s a repeat) fit 3 repeats (9 s; a 4th would end at 12 s), not the 10 asked for. The next
     case gets (30 − 9) / 2 = 10.5 s. A runner slower than its share still runs once."""
     clock = _FakeClock()
-    budget = bench_round.Budget(30.0, 3, clock=clock)
-    deadline = budget.next_case()
+    allowance = budget.Budget(30.0, 3, clock=clock)
+    deadline = allowance.next_case()
     assert deadline == pytest.approx(110.0)
     runners = [_FakeRunner(clock, 1.5), _FakeRunner(clock, 1.5)]
-    times, _ = bench_round.time_repeats(runners, 10, deadline, clock=clock)
+    times, _ = budget.time_repeats(runners, 10, deadline, clock=clock)
     assert times == [[1.5] * 3, [1.5] * 3]
-    assert budget.next_case() == pytest.approx(109.0 + 10.5)
-    times, _ = bench_round.time_repeats([_FakeRunner(clock, 50.0)], 10, deadline, clock=clock)
-    assert times == [[50.0]] and budget.spent() and budget.left() == pytest.approx(-29.0)
-    assert bench_round.Budget(None, 3, clock=clock).left() == math.inf
+    assert allowance.next_case() == pytest.approx(109.0 + 10.5)
+    times, _ = budget.time_repeats([_FakeRunner(clock, 50.0)], 10, deadline, clock=clock)
+    assert times == [[50.0]] and allowance.spent() and allowance.left() == pytest.approx(-29.0)
+    assert budget.Budget(None, 3, clock=clock).left() == math.inf
 
 
 def test_a_spent_budget_runs_no_case_and_says_so(tmp_path):
     path = tmp_path / "round.json"
     argv = ["round", "--quick", "--peers", "none", "--budget-s", "1e-3", "--json", str(path)]
-    assert bench.main(["bench", *argv]) == 0
+    assert cli.main(["bench", *argv]) == 0
     result = json.loads(path.read_text())
     assert result["rows"] == [] and result["complete"] and result["budget_s"] == 1e-3
     assert result["notes"] == ["mlp_small/fedavg/S=2,K=2,B=8/float32: not run (budget spent)"]
@@ -760,9 +758,9 @@ def test_each_row_has_its_own_peak_memory():
     round, reads less (a process peak only rises; on the GPU it was the same for every row)."""
     peaks = []
     for s in (8, 2):
-        case = bench_round.Case("mlp_small", "fedavg", s, 2, 8)
-        data, fed_data = bench_round.case_data(case)
-        runner = bench_round.make_runner(("fedorth", "sequential", None, 1), case, data, fed_data)
+        case = workloads.Case("mlp_small", "fedavg", s, 2, 8)
+        data, fed_data = workloads.case_data(case)
+        runner = rounds.make_runner(("fedorth", "sequential", None, 1), case, data, fed_data)
         memory = runner.warmup()["memory"]
         assert memory["source"] == "memory_analysis"
         parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
@@ -791,7 +789,7 @@ def test_targets_summary_ratios():
         row("torch", "vit_tiny", 8.0),
         row("fedorth", "resnet18_cifar100", 1.4, algorithm="fedpac_muon"),
     ]  # fmt: skip
-    _, summary = bench_round.format_targets(bench_round.targets_summary(rows))
+    _, summary = presets.format_targets(presets.targets_summary(rows))
     assert [t["value"] for t in summary[:4]] == pytest.approx([3.5, 5.0, 8.0, 1.4])
     assert summary[4]["value"] is None
     assert [t["met"] for t in summary] == [True, True, False, True, None]
@@ -799,9 +797,9 @@ def test_targets_summary_ratios():
 
 def test_targets_preset_names_the_papers_workloads():
     """resnet18_cifar100 and vit_tiny at S = 10, K = 50, B = 50 (FedMuon (Liu et al.) Table 2)."""
-    args = bench_round.parse_args(["--preset", "targets"])
+    args = rounds.parse_args(["--preset", "targets"])
     assert args.isolate, "the preset runs each row in its own process"
-    cases = bench_round.make_cases(args)
+    cases = rounds.make_cases(args)
     fed_cases = [c for c in cases if c.batch_size == 50]
     assert {c.workload_name for c in fed_cases} == {"resnet18_cifar100", "vit_tiny"}
     assert {(c.clients_per_round, c.local_steps) for c in fed_cases} == {(10, 50)}
@@ -810,7 +808,7 @@ def test_targets_preset_names_the_papers_workloads():
     }  # fmt: skip
     throughput = [c for c in cases if c.batch_size == 500]
     assert [c.impls for c in throughput] == [("torch", "torch_amp")]
-    w = bench_round.WORKLOADS["resnet18_cifar100"]
+    w = workloads.WORKLOADS["resnet18_cifar100"]
     assert (w.input_shape, w.num_classes) == ((32, 32, 3), 100)
 
 

@@ -1,4 +1,4 @@
-"""Micro-benchmarks, one subcommand each (a dict dispatching on argv[1]).
+"""``optim`` subcommand of experiments.bench: one optimizer update, and Newton–Schulz alone.
 
     python -m experiments.bench optim [--shapes 256x256,1024x1024,768x3072,3x3x64x64]
                                       [--repeats 10] [--warmup 2] [--ns-steps 5] [--json out.json]
@@ -12,9 +12,6 @@ achieved GFLOP/s (FLOPs counted analytically by `newton_schulz_flops`) next to a
 2048×2048 float32 matmul's GFLOP/s measured in the same run. Optimizers that are not importable
 are skipped with a printed note. SOAP and Sophia refresh their preconditioner every 10 steps:
 the median reports the common (non-refresh) step.
-
-To add a subcommand: write `def run_NAME(argv: list[str]) -> int` and register it in
-`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -22,9 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
-import sys
-import time
 from collections.abc import Callable
 
 import jax
@@ -33,6 +27,7 @@ import optax
 import optax.contrib
 from optax.contrib import _muon as optax_muon
 
+from experiments.bench.measure import bench_matmul, median_seconds
 from fedorth.optim.newton_schulz import NS_PRESETS, newton_schulz, newton_schulz_flops
 
 DEFAULT_SHAPES = "256x256,1024x1024,768x3072,3x3x64x64"
@@ -48,18 +43,6 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
             raise ValueError(f"shape {item!r} must be like 256x256 (rank >= 2, positive dims)")
         shapes.append(shape)
     return shapes
-
-
-def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int) -> float:
-    """Median wall time of `fn()` (synchronized with block_until_ready) after `warmup` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _quadratic(params):
@@ -147,14 +130,8 @@ def bench_newton_schulz(shape, *, steps, repeats, warmup) -> dict:
     }
 
 
-def bench_matmul(n: int = 2048, *, repeats, warmup) -> float:
-    """GFLOP/s of an n×n float32 matmul at HIGHEST precision (2n³ FLOPs)."""
-    a, b = jax.random.normal(jax.random.key(2), (2, n, n))
-    mm = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
-    return 2 * n**3 / median_seconds(lambda: mm(a, b), repeats=repeats, warmup=warmup) / 1e9
-
-
-def run_optim(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m experiments.bench optim``."""
     parser = argparse.ArgumentParser(prog="python -m experiments.bench optim")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated, e.g. 256x256")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement")
@@ -249,22 +226,3 @@ def run_optim(argv: list[str]) -> int:
             json.dump(result, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
-
-
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "optim": run_optim,
-    # experiments/bench_round.py (imported lazily: it imports bench_matmul from here).
-    "round": lambda argv: importlib.import_module("experiments.bench_round").run_round(argv),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    if len(argv) < 2 or argv[1] not in SUBCOMMANDS:
-        print(f"usage: python -m experiments.bench {{{','.join(SUBCOMMANDS)}}} [options]")
-        return 2
-    return SUBCOMMANDS[argv[1]](argv[2:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,7 +41,7 @@ issue 22's table: resnet18_cifar100 and vit_tiny at S = 10, K = 50, B = 50 (FedM
 Table 2), FedAvg in float32 and bfloat16 and FedPAC_Muon, the torch peer, and torch/torch_amp
 throughput at batch 500; it ends with the targets and whether each was met.
 
-Sections (experiments/bench_round_sections.py): ``--memory`` (persistent per-client state at
+Sections (experiments/bench/sections.py): ``--memory`` (persistent per-client state at
 N = 1000 and peak memory per strategy), ``--micro`` (the XLA:CPU traps: client-axis mean, a
 convolution's gradient inside a loop), ``--scaling`` (``sharded`` on 1 vs 2 host devices).
 
@@ -64,7 +64,6 @@ import dataclasses
 import json
 import math
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -75,84 +74,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from experiments.bench_round_common import (  # noqa: F401 (re-exported for tests and users)
+from experiments.bench.budget import Budget, time_repeats
+from experiments.bench.jax_loop import JaxLoopRunner, unsupported
+from experiments.bench.measure import bench_matmul, cpu_threads, device_memory
+from experiments.bench.output import add_cross_ratios, format_table, project_commit, write_json
+from experiments.bench.presets import PRESETS, format_targets, targets_summary
+from experiments.bench.runners import FedorthRunner, TorchRunner, torch_available
+from experiments.bench.sections import memory_section, micro_section, scaling_section
+from experiments.bench.workloads import (
     ALGORITHMS,
     DTYPES,
     PEERS,
     WORKLOADS,
     Case,
-    Workload,
-    build_model,
-    cpu_threads,
-    device_memory,
-    jaxpr_flops,
-    make_data,
-    model_step_flops,
-    muon_flops,
-    step_flops,
+    case_data,
 )
-from experiments.bench_round_runners import (
-    FedorthRunner,
-    JaxLoopRunner,
-    TorchRunner,
-    load_torch_peer,  # noqa: F401
-    torch_available,
-)
-from experiments.bench_round_sections import memory_section, micro_section, scaling_section
 from fedorth import fed
-from fedorth.data.federated import make_federated
 from fedorth.models.layers import CONV_IMPLS
-
-# ------------------------------------------------------------------------------- budget
-
-
-class Budget:
-    """``--budget-s``: the run's wall-clock allowance, shared among the cases still to run.
-
-    Each case gets ``next_case()`` = now + (what is left) / (cases left) when it starts (with
-    ``--isolate`` each row is a "case" here); its timed repeats
-    stop when one more would end past that share (`time_repeats`), and a case (or, with
-    ``--isolate``, a row's process) is not started once the whole budget is spent. `clock` is
-    injectable for tests.
-    """
-
-    def __init__(self, total_s: float | None, cases: int, clock=time.perf_counter):
-        self.total_s, self.cases_left, self.clock = total_s, cases, clock
-        self.start = clock()
-
-    def left(self) -> float:
-        return math.inf if self.total_s is None else self.total_s - (self.clock() - self.start)
-
-    def spent(self) -> bool:
-        return self.left() <= 0
-
-    def next_case(self) -> float:
-        """The share of the next case (absolute deadline on `clock`); counts the case."""
-        share = self.left() / max(1, self.cases_left)
-        self.cases_left -= 1
-        return self.clock() + share
-
-
-def time_repeats(runners, repeats: int, deadline: float, clock=time.perf_counter, before=None):
-    """Runs every runner once per repeat (interleaved), at least once, and stops early when
-    one more repeat, costing what the last one did, would end past `deadline`.
-
-    `before()` (the reference matmul) runs at the start of every repeat. Returns the per-runner
-    lists of seconds and the per-repeat results of `before`.
-    """
-    times: list[list[float]] = [[] for _ in runners]
-    extra, last = [], 0.0
-    for r in range(repeats if runners else 0):
-        start = clock()
-        if r > 0 and start + last > deadline:
-            break
-        if before is not None:
-            extra.append(before())
-        for i, runner in enumerate(runners):
-            times[i].append(runner.run())
-        last = clock() - start
-    return times, extra
-
 
 # ------------------------------------------------------------------------------- a case
 
@@ -189,9 +127,9 @@ def make_runner(spec: tuple, case: Case, data, fed_data):
                 raise Skip(str(err)) from err
             raise
     if kind == "jax_loop":
-        algorithm = fed.get_algorithm(case.algorithm, case.optim)
-        if not JaxLoopRunner.supports(algorithm):
-            raise Skip(f"jax_loop does not implement {case.algorithm}")
+        why = unsupported(fed.get_algorithm(case.algorithm, case.optim))
+        if why is not None:
+            raise Skip(f"{why} ({case.algorithm})")
         # XLA's own convolution: the loop's fastest (no loop body around it, nothing batched).
         return JaxLoopRunner(case, data, fed_data, conv_impl="lax" if case.workload.conv else None)
     why = torch_available()
@@ -202,21 +140,6 @@ def make_runner(spec: tuple, case: Case, data, fed_data):
 
 class Skip(Exception):
     """A row that cannot run here (torch missing, a model without a dtype argument, ...)."""
-
-
-def case_data(case: Case):
-    data = make_data(case.workload, case.num_clients)
-    x, y, partition = data
-    fed_data = make_federated(
-        x,
-        y,
-        x[: case.batch_size],
-        y[: case.batch_size],
-        partition,
-        name="bench",
-        num_classes=case.workload.num_classes,
-    )
-    return data, fed_data
 
 
 def make_row(case: Case, runner, times: list[float], warm: dict[str, Any]) -> dict[str, Any]:
@@ -279,150 +202,12 @@ def run_case(case: Case, args, matmul_fn, deadline: float, budget: Budget):
     return rows, [f"{case.label}: {note}" for note in notes]
 
 
-def add_cross_ratios(rows: list[dict[str, Any]]) -> None:
-    """``speedup_vs_<peer>`` for fedorth rows timed apart from that peer (``--isolate``, or a
-    different case): the ratio of medians of the peer's row with the same workload, algorithm,
-    S, K and B (and dtype, where the peer ran in it; else its float32 row)."""
-    key = lambda r: (r["workload"], r["algorithm"], r["clients_per_round"], r["local_steps"],
-                     r["batch_size"])  # fmt: skip
-    peers = {(key(r), r["impl"], r["dtype"]): r for r in rows if r["impl"] != "fedorth"}
-    for row in rows:
-        if row["impl"] != "fedorth":
-            continue
-        for kind in PEERS:  # the peer in the row's dtype if it ran, else in float32
-            peer = peers.get((key(row), kind, row["dtype"]), peers.get((key(row), kind, "float32")))
-            if peer is not None and f"speedup_vs_{kind}" not in row:
-                row[f"speedup_vs_{kind}"] = peer["round_s"] / row["round_s"]
-
-
-# ------------------------------------------------------------------------------- output
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    columns = [
-        ("workload", "{}"), ("algorithm", "{}"), ("S", "{}"), ("K", "{}"), ("B", "{}"),
-        ("dtype", "{}"), ("impl", "{}"), ("strategy", "{}"), ("conv", "{}"), ("unroll", "{}"),
-        ("steps/s", "{:.2f}"), ("img/s", "{:.0f}"), ("round ms", "{:.0f}"),
-        ("compile s", "{:.1f}"), ("peak MB", "{:.1f}"),
-        ("GFLOP/s", "{:.1f}"), ("%matmul", "{:.0%}"), ("×torch", "{:.2f}"), ("×jax_loop", "{:.2f}"),
-    ]  # fmt: skip
-    keys = {
-        "S": "clients_per_round", "K": "local_steps", "B": "batch_size", "conv": "conv_impl",
-        "img/s": "images_per_s",
-        "steps/s": "client_steps_per_s", "compile s": "compile_s", "GFLOP/s": "gflops",
-        "%matmul": "fraction_of_matmul", "×torch": "speedup_vs_torch",
-        "×jax_loop": "speedup_vs_jax_loop",
-    }  # fmt: skip
-    lines = ["| " + " | ".join(name for name, _ in columns) + " |"]
-    lines.append("|" + "---|" * len(columns))
-    for row in rows:
-        cells = []
-        for name, fmt in columns:
-            if name == "round ms":
-                value = 1e3 * row["round_s"]
-            elif name == "peak MB":
-                value = row["memory"]["peak_bytes"] / 2**20 if "memory" in row else None
-                if "device_peak_bytes" in row:  # --isolate: the row's own process
-                    value = row["device_peak_bytes"] / 2**20
-            else:
-                value = row.get(keys.get(name, name))
-            cells.append("-" if value is None else fmt.format(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _unroll(text: str) -> int | bool:
     return True if text in ("True", "true") else int(text)
-
-
-# The targets' table (docs/PERFORMANCE.md, "Running on GPUs"): one command, `--preset targets
-# --budget-s 500`. The papers' scale (FedMuon (Liu et al.) Table 2: S = 10 of 100 clients, K = 50,
-# B = 50), most important first, so that a run cut short keeps the FedAvg rows; the torch rows at
-# S = 1, K = 20, B = 500 are PyTorch's single-model throughput (images/s) at a batch that fills
-# the GPU, float32 eager and channels_last + bfloat16 autocast.
-TARGET_CASES = (
-    Case("resnet18_cifar100", "fedavg", 10, 50, 50, "float32", ("fedorth", "torch")),
-    Case("resnet18_cifar100", "fedavg", 10, 50, 50, "bfloat16", ("fedorth",)),
-    Case("resnet18_cifar100", "fedavg", 1, 20, 500, "float32", ("torch", "torch_amp")),
-    Case("vit_tiny", "fedavg", 10, 50, 50, "float32", ("fedorth", "torch")),
-    Case("resnet18_cifar100", "fedpac_muon", 10, 50, 50, "float32", ("fedorth",)),
-    Case("vit_tiny", "fedpac_muon", 10, 50, 50, "float32", ("fedorth",)),
-)
-PRESETS = {"targets": TARGET_CASES}
-
-
-def _find(rows, impl, workload, algorithm="fedavg", dtype="float32", batch=50):
-    for row in rows:
-        if (row["impl"], row["workload"], row["algorithm"], row["dtype"], row["batch_size"]) == (
-            impl, workload, algorithm, dtype, batch
-        ):  # fmt: skip
-            return row
-    return None
-
-
-def targets_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 22's targets from the rows of `--preset targets` (None where a row is missing)."""
-
-    def ratio(a, b, key="round_s"):
-        return None if a is None or b is None else a[key] / b[key]
-
-    resnet, vit = "resnet18_cifar100", "vit_tiny"
-    f32 = _find(rows, "fedorth", resnet)
-    return [
-        {"target": f"{resnet} FedAvg float32 (S=10, K=50), × the torch peer", "goal": ">= 3",
-         "value": ratio(_find(rows, "torch", resnet), f32), "ok": lambda v: v >= 3},
-        {"target": f"{resnet} FedAvg bfloat16 img/s ÷ torch_amp's batch-500 img/s",
-         "goal": ">= 0.5",
-         "value": ratio(_find(rows, "fedorth", resnet, dtype="bfloat16"),
-                        _find(rows, "torch_amp", resnet, dtype="bfloat16 autocast", batch=500),
-                        "images_per_s"),
-         "ok": lambda v: v >= 0.5},
-        {"target": f"{vit} FedAvg float32, × the torch peer", "goal": ">= 10",
-         "value": ratio(_find(rows, "torch", vit), _find(rows, "fedorth", vit)),
-         "ok": lambda v: v >= 10},
-        {"target": f"{resnet} FedPAC_Muon round ÷ FedAvg round (float32)", "goal": "<= 1.5",
-         "value": ratio(_find(rows, "fedorth", resnet, "fedpac_muon"), f32),
-         "ok": lambda v: v <= 1.5},
-        {"target": f"{vit} FedPAC_Muon round ÷ FedAvg round (float32)", "goal": "<= 1.5",
-         "value": ratio(_find(rows, "fedorth", vit, "fedpac_muon"), _find(rows, "fedorth", vit)),
-         "ok": lambda v: v <= 1.5},
-    ]  # fmt: skip
-
-
-def format_targets(summary) -> tuple[str, list[dict[str, Any]]]:
-    """The markdown table of `targets_summary` and its JSON form (``met``: True/False/None)."""
-    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
-    out = []
-    for t in summary:
-        value = t["value"]
-        met = None if value is None else bool(t["ok"](value))
-        shown = "-" if value is None else f"{value:.2f}"
-        lines.append(f"| {t['target']} | {t['goal']} | {shown} | {'-' if met is None else met} |")
-        out.append({"target": t["target"], "goal": t["goal"], "value": value, "met": met})
-    return "\n".join(lines), out
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    """Atomic: a temporary file beside `path`, then `os.replace` (a reader never sees half)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
-def project_commit() -> str | None:
-    """HEAD of this checkout (the directory holding experiments/), None outside a git checkout."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():
-        return None
-    done = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
-    )
-    return done.stdout.strip() or None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -584,10 +369,8 @@ def run_isolated(case: Case, spec: tuple, args, share_s: float, budget: Budget, 
 # ------------------------------------------------------------------------------- the command
 
 
-def run_round(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``python -m experiments.bench round``."""
-    from experiments.bench import bench_matmul
-
     args = parse_args(argv)
     if args.child is not None:
         return run_child(args)

@@ -1,4 +1,5 @@
-"""The three implementations the round benchmark times: fedorth, a JAX per-step loop, torch.
+"""Two of the implementations the round benchmark times: fedorth's round and the PyTorch peer
+(the third, the JAX per-step loop, is experiments/bench/jax_loop.py).
 
 Each runner builds its round for a `Case`, and has ``warmup() -> dict`` (the first round, with
 compile time and what else it measures), ``run() -> seconds`` (one synchronized round) and
@@ -16,23 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from experiments.bench_round_common import (
-    FEDPAC_BETA,
-    Case,
-    build_model,
-    compile_counter,
-    cpu_threads,
-    model_step_flops,
-    muon_flops,
-    peak_memory,
-)
+from experiments.bench.flops import model_step_flops, muon_flops
+from experiments.bench.measure import compile_counter, cpu_threads, peak_memory
+from experiments.bench.workloads import FEDPAC_BETA, Case, build_model
 from fedorth import fed
 from fedorth.fed.metrics import tree_bytes
-from fedorth.fed.round import client_conv_trace_mode, sample_clients
+from fedorth.fed.round import client_conv_trace_mode
 from fedorth.models.layers import resolve_conv_impl
-from fedorth.optim import federated as fed_optim
 
 
 class FedorthRunner:
@@ -137,118 +129,6 @@ class FedorthRunner:
     def finish(self) -> dict[str, Any]:
         # Entries added to the jitted round's cache after round 1: 0 means no recompilation.
         return {"recompiles": self.round_fn._cache_size() - self._cache_size}
-
-
-class JaxLoopRunner:
-    """Python loops over clients and local steps around one jitted local step.
-
-    Same math and keys as ``fed.make_round_fn`` for algorithms whose clients reset or
-    warm-start from the server (FedAvg, FedPAC): ``fold_in(round_key, client)``, then
-    ``fold_in(client_key, step)`` split into batch, model and optimizer keys.
-    """
-
-    kind = "jax_loop"
-
-    @staticmethod
-    def supports(algorithm: fed.FedAlgorithm) -> bool:
-        return (
-            algorithm.client_state in ("reset", "global")
-            and algorithm.control_variates is None
-            and algorithm.server_rule == "mean"
-            and algorithm.client_report is None
-            and algorithm.state_compression is None
-        )
-
-    def __init__(self, case: Case, data, fed_data, *, conv_impl):
-        self.case, self.fed_data = case, fed_data
-        self.settings = {"strategy": "python loop", "conv_impl": conv_impl, "unroll": "-"}
-        model = build_model(case.workload, conv_impl, case.dtype)
-        algorithm = fed.get_algorithm(case.algorithm, case.optim)
-        if not self.supports(algorithm):
-            raise ValueError(f"jax_loop does not implement {case.algorithm}.")
-        self.algorithm = algorithm
-        tx, loss_fn = algorithm.local_tx, model.loss_fn
-        k = case.local_steps
-
-        @jax.jit
-        def local_step(params, model_state, opt_state, fed_data, client, client_key, step, extras):
-            batch_key, model_key, opt_key = jax.random.split(
-                jax.random.fold_in(client_key, step), 3
-            )
-            batch = case.batch_fn(fed_data, client, batch_key)
-            (loss, (new_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, model_state, batch, model_key
-            )
-            obj_fn = lambda p: loss_fn(p, model_state, batch, model_key)[0]
-            updates, opt_state = tx.update(
-                grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras
-            )
-            return optax.apply_updates(params, updates), new_state, opt_state
-
-        @jax.jit
-        def aggregate(params, params_C, model_state_C, opt_state_C, lr):
-            stack = lambda *xs: jnp.stack(xs)
-            params_C = jax.tree.map(stack, *params_C)
-            mean_delta = jax.tree.map(lambda p, p0: jnp.mean(p, 0) - p0, params_C, params)
-            new = {
-                "params": jax.tree.map(jnp.add, params, mean_delta),
-                "model_state": jax.tree.map(lambda x: jnp.mean(x, 0), stack_trees(model_state_C)),
-                "global_direction": jax.tree.map(lambda d: -d / (k * lr), mean_delta),
-            }
-            if algorithm.aggregate_opt_state:
-                new["opt_state"] = fed_optim.average_states(stack_trees(opt_state_C))
-            return new
-
-        def stack_trees(trees):
-            return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-        self.local_step, self.aggregate = local_step, aggregate
-        self.init_opt = jax.jit(tx.init)
-        params, model_state = model.init(jax.random.key(0), data[0][:2])
-        self.state = {
-            "params": params,
-            "model_state": model_state,
-            "global_direction": jax.tree.map(jnp.zeros_like, params),
-            "opt_state": tx.init(params) if algorithm.aggregate_opt_state else None,
-        }
-        self.key, self.round = jax.random.key(1), 0
-
-    def run(self) -> float:
-        start = time.perf_counter()
-        case, state = self.case, self.state
-        lr = jnp.asarray(case.optim["learning_rate"], jnp.float32)
-        round_key, ids = sample_clients(
-            self.key, jnp.asarray(self.round), case.num_clients, case.clients_per_round
-        )
-        extras = {"learning_rate": lr}
-        if self.algorithm.uses_global_direction:
-            extras["global_direction"] = state["global_direction"]
-        results = []
-        for client in np.asarray(ids):
-            client_key = jax.random.fold_in(round_key, client)
-            params, model_state = state["params"], state["model_state"]
-            if self.algorithm.client_state == "global":
-                opt_state = state["opt_state"]
-            else:
-                opt_state = self.init_opt(params)
-            for step in range(case.local_steps):
-                params, model_state, opt_state = self.local_step(
-                    params, model_state, opt_state, self.fed_data, client, client_key, step, extras
-                )
-            results.append((params, model_state, opt_state))
-        new = self.aggregate(state["params"], *zip(*results, strict=True), lr)
-        self.state = {**state, **new}
-        jax.block_until_ready(self.state)
-        self.round += 1
-        return time.perf_counter() - start
-
-    def warmup(self) -> dict[str, Any]:
-        count0, seconds0 = compile_counter()
-        first = self.run()
-        return {"first_round_s": first, "compile_s": compile_counter()[1] - seconds0}
-
-    def finish(self) -> dict[str, Any]:
-        return {}
 
 
 class TorchRunner:

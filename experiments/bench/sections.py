@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import median_seconds
-from experiments.bench_round_common import WORKLOADS, build_model, make_data, peak_memory
+from experiments.bench.measure import median_seconds, peak_memory
+from experiments.bench.workloads import WORKLOADS, build_model, make_data
 from fedorth import fed
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.metrics import tree_bytes
@@ -90,7 +90,7 @@ def memory_section(*, num_clients: int, clients_per_round: int, quick: bool) -> 
 
 
 def _median_ms(fn, *args, repeats: int) -> float:
-    """Median ms of the jitted `fn(*args)` after one warm-up call (`bench.median_seconds`)."""
+    """Median ms of the jitted `fn(*args)` after one warm-up call (`measure.median_seconds`)."""
     fn = jax.jit(fn)
     return 1e3 * median_seconds(lambda: fn(*args), repeats=repeats, warmup=1)
 

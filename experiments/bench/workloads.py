@@ -1,24 +1,19 @@
-"""Shared pieces of the round benchmark: workloads, algorithms, cases and measurements.
+"""What the round benchmark runs: workloads (a model on random data), algorithms, cases.
 
-Used by experiments/bench_round.py (the ``round`` subcommand of experiments.bench) and its
-runners and sections; see that module for what is measured and how.
+A `Case` is one row group of ``python -m experiments.bench round`` (experiments/bench/rounds.py
+says what is measured); every implementation of a case runs on `case_data(case)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import os
 from typing import Any
 
-import jax
-import jax.extend.core as jax_core
 import numpy as np
 
 from fedorth import models
-from fedorth.data.federated import sample_batch
-from fedorth.optim.newton_schulz import newton_schulz_flops
+from fedorth.data.federated import make_federated, sample_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,144 +54,6 @@ FEDPAC_BETA = 0.5  # fedorth.fed.algorithms.fedpac default; the torch peer uses 
 EXAMPLES_PER_CLIENT = 64
 PEERS = ("torch", "torch_amp", "jax_loop")
 DTYPES = ("float32", "bfloat16")
-
-# libgomp's default active spin-waiting makes torch collapse when the cores are shared (measured
-# on the 2-core machine: 4 instead of 37 CNN steps/s with 2 threads); passive waiting gives torch
-# its best numbers. Must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-_COMPILES = {"count": 0, "seconds": 0.0}
-
-
-def _on_event(name: str, seconds: float, **kwargs) -> None:
-    if name.startswith("/jax/core/compile/"):
-        _COMPILES["seconds"] += seconds
-        if name.endswith("backend_compile_duration"):
-            _COMPILES["count"] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-def compile_counter() -> tuple[int, float]:
-    """(XLA compilations so far, seconds spent tracing, lowering and compiling so far)."""
-    return _COMPILES["count"], _COMPILES["seconds"]
-
-
-def cpu_threads() -> int:
-    """The cores this process may run on (what XLA:CPU's thread pool and torch should use)."""
-    return len(os.sched_getaffinity(0))
-
-
-def cost_flops(compiled) -> float:
-    """``flops`` of XLA's cost analysis of a compiled executable (loop bodies count once)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list | tuple):
-        cost = cost[0]
-    return float(cost.get("flops", 0.0))
-
-
-def step_flops(loss_fn, params, model_state, batch, key) -> float:
-    """FLOPs of one forward + backward pass, from XLA's cost analysis of the jitted gradient."""
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-    return cost_flops(grad_fn.lower(params, model_state, batch, key).compile())
-
-
-def _conv_macs(eqn) -> int:
-    """Multiply-adds of one ``conv_general_dilated``: every output element sums (rhs input
-    features) × (kernel taps) products, padded borders included (as im2col's dot computes them)."""
-    rhs = eqn.invars[1].aval
-    spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, spatial...)
-    taps = math.prod(rhs.shape[d] for d in spec[2:])
-    return math.prod(eqn.outvars[0].aval.shape) * rhs.shape[spec[1]] * taps
-
-
-def _dot_macs(eqn) -> int:
-    lhs = eqn.invars[0].aval
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    return math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contract)
-
-
-def _sub_jaxprs(value):
-    if isinstance(value, jax_core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax_core.Jaxpr):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
-def jaxpr_flops(jaxpr) -> int:
-    """2 × the multiply-adds of every ``dot_general`` and ``conv_general_dilated`` in `jaxpr`.
-
-    Sub-jaxprs are entered: calls (jit; custom_jvp/custom_vjp calls: their primal computation),
-    ``scan`` bodies times their length, ``cond`` the costliest branch, ``while`` bodies once
-    (trip count unknown).
-    Elementwise work is not counted (the matmul/convolution convention of model FLOPs).
-    """
-    total = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            total += 2 * _dot_macs(eqn)
-        elif name == "conv_general_dilated":
-            total += 2 * _conv_macs(eqn)
-        elif name == "cond":
-            total += max(jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
-        else:
-            inner = sum(jaxpr_flops(j) for v in eqn.params.values() for j in _sub_jaxprs(v))
-            total += inner * (eqn.params["length"] if name == "scan" else 1)
-    return total
-
-
-def model_step_flops(loss_fn, params, model_state, batch, key) -> int:
-    """Model FLOPs of one local step: 3 × the forward pass's (`jaxpr_flops` of the loss).
-
-    The convention of model-FLOP utilization: the backward pass costs twice the forward (the
-    gradients w.r.t. a layer's inputs and its weights, one product each), whatever runs it.
-    Counted on the loss's jaxpr, so every convolution counts the same whether XLA runs it as a
-    convolution (which XLA:GPU's cost analysis does not count: cuDNN calls), as im2col + dot, or
-    as the canonical convolution's custom VJP (its primal computation is entered). The first
-    layer's input gradient, which no step computes, is included (< 1% on the bench models).
-    `step_flops` (XLA's own count of the gradient) is kept for dense checks.
-    """
-    return 3 * jaxpr_flops(jax.make_jaxpr(loss_fn)(params, model_state, batch, key).jaxpr)
-
-
-def muon_flops(params, ns_steps: int = 5) -> int:
-    """Newton–Schulz FLOPs of one Muon update: every leaf of rank >= 2 as (prod(lead), last)."""
-    total = 0
-    for leaf in jax.tree.leaves(params):
-        if leaf.ndim >= 2:
-            total += newton_schulz_flops((math.prod(leaf.shape[:-1]), leaf.shape[-1]), ns_steps)
-    return total
-
-
-def peak_memory(compiled) -> dict[str, int]:
-    """The compiled round's own peak: XLA's memory analysis of that executable.
-
-    arguments + outputs − aliased (donated) + temporaries: what the round needs on the device,
-    whatever ran before it in the process, on every platform (XLA:CPU and XLA:GPU both report it).
-    `device_memory()` gives the process's counters where the device keeps them; with
-    ``--isolate`` each row runs in its own process, and its row records that process's peak too.
-    """
-    mem = compiled.memory_analysis()
-    out: dict[str, Any] = {
-        name: int(getattr(mem, f"{name}_size_in_bytes"))
-        for name in ("argument", "output", "alias", "temp")
-    }
-    out["peak_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["source"] = "memory_analysis"
-    return out
-
-
-def device_memory() -> dict[str, int] | None:
-    """The first device's ``memory_stats`` (GPU/TPU: bytes and peak bytes in use), else None."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        return None
-    return {key: int(stats[key]) for key in ("bytes_in_use", "peak_bytes_in_use") if key in stats}
 
 
 def make_data(workload: Workload, num_clients: int, *, seed: int = 0):
@@ -259,3 +116,19 @@ class Case:
 
     def batch_fn(self, data, client, key):
         return sample_batch(data, client, key, self.batch_size)
+
+
+def case_data(case: Case):
+    """``((x, y, partition), fed_data)``: the case's random data, as arrays and on device."""
+    data = make_data(case.workload, case.num_clients)
+    x, y, partition = data
+    fed_data = make_federated(
+        x,
+        y,
+        x[: case.batch_size],
+        y[: case.batch_size],
+        partition,
+        name="bench",
+        num_classes=case.workload.num_classes,
+    )
+    return data, fed_data

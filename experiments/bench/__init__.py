@@ -1,0 +1,29 @@
+"""Benchmarks of fedorth, one subcommand each: ``python -m experiments.bench SUBCOMMAND [options]``.
+
+    python -m experiments.bench optim [--shapes ...] [--json out.json]   # one optimizer update
+    python -m experiments.bench round [--quick] [--json out.json]        # one federated round
+
+The subcommands are registered by name in `experiments.bench.cli.SUBCOMMANDS`; each is a
+function ``main(argv: list[str]) -> int`` in its own module. The modules, by job (imports go
+down this list, never up, so the package has no import cycle):
+
+* `measure` (synchronized timing, the reference matmul, compilations, memory), `flops` (model
+  and Newton–Schulz FLOPs), `budget` (``--budget-s`` and interleaved repeats);
+* `workloads` (models on random data, the algorithms, a `Case`);
+* `runners` (fedorth's round and the PyTorch peer), `jax_loop` (the JAX per-step loop peer,
+  built from the engine's own pieces), `sections` (``--memory``, ``--micro``, ``--scaling``),
+  `presets` (``--preset targets``), `output` (tables, JSON);
+* `optim` and `rounds`: the subcommands; `cli`: the registry and ``main``.
+
+To add a subcommand: write its module with ``main(argv) -> int`` and add it to
+`cli.SUBCOMMANDS`.
+
+Importing the package sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) before any of its modules can
+load torch: libgomp's default active spin-waiting makes the PyTorch peer collapse when the cores
+are shared (measured on the 2-core machine: 4 instead of 37 CNN steps/s with 2 threads); passive
+waiting gives torch its best numbers.
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

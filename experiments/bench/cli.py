@@ -1,0 +1,23 @@
+"""The benchmark's subcommands by name, and ``main`` dispatching on ``argv[1]``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from experiments.bench import optim, rounds
+
+# name -> main(argv without the program and subcommand) -> exit status.
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "optim": optim.main,
+    "round": rounds.main,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.bench SUBCOMMAND [options]``; `argv` as ``sys.argv``."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) < 2 or argv[1] not in SUBCOMMANDS:
+        print(f"usage: python -m experiments.bench {{{','.join(SUBCOMMANDS)}}} [options]")
+        return 2
+    return SUBCOMMANDS[argv[1]](argv[2:])

@@ -1,0 +1,192 @@
+"""The ``jax_loop`` peer of the round benchmark: Python loops around one jitted local step.
+
+What a JAX user writes without fedorth's engine: for each sampled client, for each local step,
+one jitted call, then a jitted server update. It runs the engine's algorithm, not a copy of it:
+the server state is `fed.init_server`'s, the clients and keys are the engine's
+(`sample_clients`, ``fold_in(round_key, client)``, then ``fold_in(client_key, step)`` split
+into batch, model and optimizer keys), the local optimizer is the algorithm's ``local_tx``, a
+warm start keeps the leaves of the algorithm's ``aggregate_mask`` (FedPAC's Θ, FedLADA's second
+moment) and restarts the others, the optimizer states are averaged by
+`fedorth.optim.federated.average_states` and the server step is the algorithm's ``server_tx``
+and ``server_rule``. tests/test_bench.py runs every design-axis value `supports` accepts for 3
+rounds against ``fed.make_round_fn`` and requires the two to agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments.bench.measure import compile_counter
+from experiments.bench.workloads import Case, build_model
+from fedorth import fed
+from fedorth.fed.round import sample_clients
+from fedorth.models import layers
+from fedorth.optim import federated as fed_optim
+
+
+def unsupported(algorithm: fed.FedAlgorithm) -> str | None:
+    """Why the loop cannot run `algorithm` (a design-axis value it does not implement), or None."""
+    checks = {
+        "clients that keep their own state": algorithm.client_state == "persistent",
+        "per-client kept leaves (persistent_mask)": algorithm.persistent_mask is not None,
+        "control variates": algorithm.control_variates is not None,
+        "client reports": algorithm.client_report is not None,
+        "a client pre-pass": algorithm.client_prepass is not None,
+        "a custom delta aggregation": algorithm.aggregate_delta is not None,
+        "low-rank state compression": algorithm.state_compression is not None,
+    }
+    missing = [what for what, needed in checks.items() if needed]
+    return f"jax_loop does not implement {', '.join(missing)}" if missing else None
+
+
+def client_start(algorithm: fed.FedAlgorithm, server: fed.ServerState):
+    """The local optimizer's state at the start of a client's round.
+
+    ``"reset"``: ``local_tx.init``; ``"global"``: the server's averaged state on the leaves of
+    ``aggregate_mask`` (all of them without a mask), ``init`` on the others.
+    """
+    fresh = algorithm.local_tx.init(server.params)
+    if algorithm.client_state == "reset":
+        return fresh
+    if algorithm.aggregate_mask is None:
+        return server.opt_state
+    mask = algorithm.aggregate_mask(fresh)
+    return jax.tree.map(lambda keep, g, f: g if keep else f, mask, server.opt_state, fresh)
+
+
+def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, results_C, lr):
+    """The next server state from the sampled clients' final ``(params, model_state,
+    opt_state)``, client-stacked: the mean update through ``server_tx``, scaled by
+    ``server_rule``; the averaged model and optimizer states; ``g_G = -mean(dx) / (K lr)``."""
+    params_C, model_state_C, opt_state_C = results_C
+    k = config.local_steps
+    mean_delta = jax.tree.map(lambda p, p0: jnp.mean(p, 0) - p0, params_C, server.params)
+    scale = {
+        "mean": 1.0,
+        "partial": config.clients_per_round / config.num_clients,
+        "global_step": algorithm.server_lr / (k * lr),
+    }[algorithm.server_rule]
+    pseudo_grad = jax.tree.map(lambda d: -scale * d, mean_delta)
+    updates, server_opt_state = algorithm.server_tx.update(
+        pseudo_grad, server.server_opt_state, server.params
+    )
+    new = server.replace(
+        round=server.round + 1,
+        params=optax.apply_updates(server.params, updates),
+        model_state=jax.tree.map(lambda x: jnp.mean(x, 0), model_state_C),
+        server_opt_state=server_opt_state,
+    )
+    if algorithm.aggregate_opt_state:
+        new = new.replace(opt_state=fed_optim.average_states(opt_state_C))
+    if algorithm.uses_global_direction:
+        new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
+    return new
+
+
+class JaxLoopRound:
+    """``round(server, data) -> server``: one round, Python loops around jitted pieces.
+
+    The same arguments as ``fed.make_round_fn`` (the strategy of `config` is not used).
+    """
+
+    def __init__(self, algorithm: fed.FedAlgorithm, loss_fn, batch_fn, config: fed.RoundConfig):
+        why = unsupported(algorithm)
+        if why is not None:
+            raise ValueError(f"{why} ({algorithm.name}).")
+        config.validate(algorithm)
+        self.algorithm, self.config = algorithm, config
+        tx = algorithm.local_tx
+
+        def extras(server):
+            """The local optimizer's extra arguments for this round."""
+            out = {**server.extra, "learning_rate": config.lr(server.round)}
+            if algorithm.uses_global_direction:
+                out["global_direction"] = server.global_direction
+            return out
+
+        def local_step(params, model_state, opt_state, extras, data, client, client_key, step):
+            batch_key, model_key, opt_key = jax.random.split(
+                jax.random.fold_in(client_key, step), 3
+            )
+            batch = batch_fn(data, client, batch_key)
+            (_, (new_model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, model_state, batch, model_key
+            )
+
+            def obj_fn(p):
+                # As the engine's round: forward-mode derivatives of the objective (Sophia's
+                # Hessian-vector products) see no custom-VJP convolution.
+                with layers.conv_trace_mode("forward"):
+                    return loss_fn(p, model_state, batch, model_key)[0]
+
+            updates, opt_state = tx.update(
+                grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras
+            )
+            return optax.apply_updates(params, updates), new_model_state, opt_state
+
+        def finish(server, results):
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *results)
+            return server_update(algorithm, config, server, stacked, config.lr(server.round))
+
+        self.start = jax.jit(lambda server: client_start(algorithm, server))
+        self.extras = jax.jit(extras)
+        self.local_step = jax.jit(local_step)
+        self.finish = jax.jit(finish)
+
+    def __call__(self, server: fed.ServerState, data) -> fed.ServerState:
+        config = self.config
+        round_key, ids = sample_clients(
+            server.key, server.round, config.num_clients, config.clients_per_round
+        )
+        extras, opt_state = self.extras(server), self.start(server)
+        results = []
+        for client in np.asarray(ids):
+            client_key = jax.random.fold_in(round_key, client)
+            carry = (server.params, server.model_state, opt_state)
+            for step in range(config.local_steps):
+                carry = self.local_step(*carry, extras, data, client, client_key, step)
+            results.append(carry)
+        return self.finish(server, results)
+
+
+class JaxLoopRunner:
+    """The ``jax_loop`` row of a case: `JaxLoopRound` on the case's model and data."""
+
+    kind = "jax_loop"
+
+    def __init__(self, case: Case, data, fed_data, *, conv_impl):
+        self.case, self.fed_data = case, fed_data
+        self.settings = {"strategy": "python loop", "conv_impl": conv_impl, "unroll": "-"}
+        model = build_model(case.workload, conv_impl, case.dtype)
+        algorithm = fed.get_algorithm(case.algorithm, case.optim)
+        config = fed.RoundConfig(
+            num_clients=case.num_clients,
+            clients_per_round=case.clients_per_round,
+            local_steps=case.local_steps,
+            learning_rate=case.optim["learning_rate"],
+        )
+        self.round = JaxLoopRound(algorithm, model.loss_fn, case.batch_fn, config)
+        params, model_state = model.init(jax.random.key(0), data[0][:2])
+        self.server = fed.init_server(
+            algorithm, params, model_state, num_clients=case.num_clients, key=jax.random.key(1)
+        )
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        self.server = self.round(self.server, self.fed_data)
+        jax.block_until_ready(self.server)
+        return time.perf_counter() - start
+
+    def warmup(self) -> dict[str, Any]:
+        seconds0 = compile_counter()[1]
+        first = self.run()
+        return {"first_round_s": first, "compile_s": compile_counter()[1] - seconds0}
+
+    def finish(self) -> dict[str, Any]:
+        return {}
