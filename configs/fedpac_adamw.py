@@ -1,5 +1,5 @@
 r"""FedPAC over AdamW: FedPAC's alignment (average Adam's moments, warm-start clients from them)
-and correction (mix with g_G) applied to an optimizer none of the seeds pairs it with.
+and correction (mix with g_G) applied to an optimizer none of the papers pairs it with.
 
     python -m experiments.main --config=configs/fedpac_adamw.py --workdir=runs/fedpac_adamw
     python -m experiments.main --config=configs/fedpac_adamw.py:cifar100_vit --workdir=...

@@ -13,8 +13,10 @@ optimizers, each with its paper.
 
 ``--config.model.name``, ``--config.optim.name`` and ``--config.fed.algorithm`` switch the
 model, optimizer and algorithm: the config file's keys the new choice does not take are dropped
-with a note; keys typed on the command line are kept and checked
-(``fedorth.train.validate.drop_foreign_keys``).
+with a note; keys typed on the command line are kept and checked; a new optimizer gets its own
+learning rate for the setting unless one is typed (``experiments.catalog.apply_switches``).
+``fedorth config NAME[:preset] [--config.KEY=VALUE ...]`` prints the resulting config without
+running it.
 
 Running the same command again resumes from the newest checkpoint in ``--workdir``; with a
 larger ``--config.fed.rounds`` it extends a finished run.
@@ -70,7 +72,6 @@ def flags_parser(argv: list[str]) -> list[str]:
 
 def main(argv):
     from fedorth import train
-    from fedorth.train import validate
 
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -91,8 +92,13 @@ def main(argv):
         jax.devices()  # every process exchanges its devices now, before one can fail alone
     config = _CONFIG.value
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    dropped = validate.drop_foreign_keys(config, overrides)
-    for note in validate.switch_notes(config, dropped):
+    spec = config_flags.get_config_filename(flags.FLAGS["config"])
+    try:  # switches of model, optimizer (and its learning rate) and algorithm
+        notes = catalog.apply_switches(config, overrides, spec)
+    except ConfigArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
         print(note, file=sys.stderr)
     try:
         train.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)

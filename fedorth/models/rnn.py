@@ -124,7 +124,7 @@ def rnn(
     pad_id: int = 0,
     dtype: str = "float32",
 ) -> Model:
-    """The `rnn` text classifier of FedMuon (Zhang & Gao) (Table 3) and 003 (§6): see
+    """The `rnn` text classifier of FedMuon (Zhang & Gao) (Table 3) and Fed minimax (Zhang & Gao) (§6): see
     `RNNClassifier`.
 
     Args:

@@ -253,7 +253,7 @@ def vit_tiny(
     pool: str = "cls",
     dtype: str = "float32",
 ) -> Model:
-    """ViT-Tiny of FedPAC (Liu et al.) Appendix D.4 (choices the seed leaves open: see the module
+    """ViT-Tiny of FedPAC (Liu et al.) Appendix D.4 (choices the paper leaves open: see the module
     docstring).
 
     Args:
