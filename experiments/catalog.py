@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import pathlib
+import re
 import sys
+import textwrap
 from typing import Any
 
 NOT_CONFIGS = ("__init__", "base", "presets")
@@ -18,14 +20,12 @@ NOT_CONFIGS = ("__init__", "base", "presets")
 
 
 def config_dir() -> pathlib.Path:
-    """The folder of the ``configs`` package (installed with fedorth, or the source tree's)."""
-    spec = importlib.util.find_spec("configs")
-    if spec is not None and spec.submodule_search_locations:
-        return pathlib.Path(next(iter(spec.submodule_search_locations)))
-    # A source tree that is not installed: its configs import "configs" from its root.
-    root = pathlib.Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    return root / "configs"
+    """The folder of the ``configs`` package shipped with fedorth (installed beside it, or the
+    source tree's), whatever the current directory holds: a user's own ``configs/`` folder does
+    not hide it (``fedorth.cli.shipped_package``)."""
+    from fedorth import cli
+
+    return pathlib.Path(cli.shipped_package("configs").__file__).parent
 
 
 def config_names() -> list[str]:
@@ -79,13 +79,32 @@ def resolve_config(spec: str) -> str:
             "holds the defaults every config shares, configs/presets.py the papers' settings). "
             f"Configs: {', '.join(config_names())}."
         )
-    presets = getattr(module, "PRESETS", None)
+    presets = presets_of(module)
     if preset and presets is not None and preset not in presets:
         raise ConfigArgumentError(
             f"--config={spec}: config {found.stem!r} has no preset {preset!r}; its presets: "
             f"{', '.join(sorted(presets)) or '(none)'} (or none: the CPU default)."
         )
     return str(found) + sep + preset
+
+
+def presets_of(module) -> list[str] | None:
+    """The preset names of config ``module`` (None where it does not declare them): its
+    ``PRESETS``, or those of the shared settings module it delegates to (the minimax configs
+    take configs/minimax_auc.py's)."""
+    presets = getattr(module, "PRESETS", None)
+    if presets is None:
+        shared = [
+            value
+            for value in vars(module).values()
+            if inspect.ismodule(value)
+            and value.__name__.startswith("configs.")
+            and not is_config(value)
+            and getattr(value, "PRESETS", None) is not None
+        ]
+        if len(shared) == 1:
+            presets = shared[0].PRESETS
+    return None if presets is None else sorted(presets)
 
 
 def load_config_module(path: pathlib.Path):
@@ -111,9 +130,15 @@ def is_config(module) -> bool:
 
 
 def _add_config_root(path: pathlib.Path) -> None:
-    """Makes ``import configs`` work for a config file outside an installed ``configs``."""
-    if importlib.util.find_spec("configs") is None and path.parent.name == "configs":
-        sys.path.insert(0, str(path.parent.parent))
+    """Lets a user's config file in a folder of their own named ``configs`` import both the
+    shipped modules (``from configs import base, presets``) and its neighbours: the folder joins
+    the shipped package's search path, after the shipped files."""
+    shipped = config_dir()
+    package = sys.modules["configs"]
+    folder = str(path.parent.resolve())
+    if path.parent.name == "configs" and path.parent.resolve() != shipped.resolve():
+        if folder not in package.__path__:
+            package.__path__.append(folder)
 
 
 def resolve_config_argv(argv: list[str]) -> list[str]:
@@ -125,6 +150,61 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
         elif arg == "--config" and i + 1 < len(out):
             out[i + 1] = resolve_config(out[i + 1])
     return out
+
+
+def apply_switches(config, overrides: dict[str, Any], spec: str) -> list[str]:
+    """Applies the command line's switches of model, optimizer and algorithm to ``config``.
+
+    ``fedorth.train.validate.drop_foreign_keys`` drops the config file's keys the new choice
+    does not take. A learning rate is tuned for one optimizer, so when ``--config.optim.name``
+    changes the file's optimizer and ``--config.optim.learning_rate`` is not typed, the learning
+    rate becomes the new optimizer's for the same setting: the one its ``local_NAME`` config
+    gives the same preset (the papers' rates; without a preset, the embedded default's).
+
+    Args:
+      config: the parsed, locked config; changed in place.
+      overrides: the ``--config.*`` values (``config_flags.get_override_values``).
+      spec: the resolved ``--config`` value, ``PATH[:preset]``.
+
+    Returns:
+      The ``note:`` lines to print.
+
+    Raises:
+      ConfigArgumentError: the optimizer changed, its learning rate was not typed, and no
+        ``local_NAME`` config has the preset: one line asking for
+        ``--config.optim.learning_rate``.
+    """
+    from fedorth.train import validate
+
+    dropped = validate.drop_foreign_keys(config, overrides)
+    notes = validate.switch_notes(config, dropped)
+    from fedorth.fed import local
+
+    new = overrides.get("optim.name")
+    if new not in local.DIRECTIONS or "optim.learning_rate" in overrides or "optim" not in config:
+        return notes  # no switch, a typed rate, or an unknown name (validate names the valid)
+    path, _, preset = spec.partition(":")
+    file_config = load_config_module(pathlib.Path(path)).get_config(preset or None)
+    old, rate = file_config.optim.get("name"), file_config.optim.get("learning_rate")
+    if new == old or rate is None:
+        return notes
+    source = config_dir() / f"local_{new}.py"
+    module = load_config_module(source) if source.is_file() else None
+    if module is None or (preset and preset not in (presets_of(module) or [])):
+        raise ConfigArgumentError(
+            f"--config.optim.name={new}: optim.learning_rate={rate} is the config file's rate "
+            f"for {old}, and no config gives {new}'s rate for "
+            f"{'preset ' + repr(preset) if preset else 'this setting'}: pass "
+            "--config.optim.learning_rate=VALUE."
+        )
+    config.optim.learning_rate = module.get_config(preset or None).optim.learning_rate
+    notes.append(
+        f"note: --config.optim.name={new}: optim.learning_rate={rate} was the config file's rate "
+        f"for {old}; using {config.optim.learning_rate}, {new}'s rate for "
+        f"{'preset ' + repr(preset) if preset else 'this setting'} (configs/{source.name}). "
+        "Pass --config.optim.learning_rate to choose another."
+    )
+    return notes
 
 
 # The local optimizers' own papers (fedorth.fed.local.DIRECTIONS).
@@ -169,7 +249,7 @@ def configs(config_dir: pathlib.Path) -> list[dict[str, Any]]:
         if not is_config(module):
             continue
         config = module.get_config()
-        presets = sorted(getattr(module, "PRESETS", {}) or {})
+        presets = presets_of(module) or []
         datasets = {config.data.name}
         for preset in presets:
             datasets.add(module.get_config(preset).data.name)
@@ -199,6 +279,53 @@ def _algorithm_paper(name: str, optim: dict[str, Any] | None) -> str:
     return ""
 
 
+# The papers' tables and figures, by preset name (configs/presets.py builds the names); the
+# first pattern that matches a preset names its group in --list.
+PRESET_GROUPS = (
+    (r"(cifar100|tiny_imagenet)_(resnet18|vit)(_dir0\.05)?$", "FedPAC (Liu et al.) Table 1"),
+    (r"(cifar100|tiny_imagenet)_(resnet18|vit)_(dir0\.5|iid)$", "FedPAC (Liu et al.) Tables 12-13"),
+    (r"vit_base_", "FedPAC (Liu et al.) Table 2, fine-tuning"),
+    (r"c4_llama", "FedPAC (Liu et al.) Table 3"),
+    (r"fedmuon_liu_cifar100_", "FedMuon (Liu et al.) Table 2"),
+    (r"fedmuon_liu_fig4_", "FedMuon (Liu et al.) Fig. 4"),
+    (r"fedmuon_liu_table5_", "FedMuon (Liu et al.) Table 5"),
+    (r"fedmuon_liu_table6_", "FedMuon (Liu et al.) Table 6"),
+    (r"fedmuon_liu_table7_", "FedMuon (Liu et al.) Table 7"),
+    (r"swin_t_", "FedMuon (Liu et al.) Table 3, fine-tuning"),
+    (r"roberta_lora_", "FedMuon (Liu et al.) Table 4, fine-tuning"),
+    (r"fedmuon_lmo_", "FedMuon-LMO (bias-corrected LMO) Sec. 7.1, App. G"),
+    (r"fedmuon_zg_", "FedMuon (Zhang & Gao) Sec. 7"),
+    (r"(sentiment140|sst2|yelp)_(homo|hetero)_p\d+$", "Fed minimax (Zhang & Gao) Sec. 5"),
+)
+OTHER_PRESETS = "other settings"
+
+
+def preset_groups(presets: list[str]) -> dict[str, list[str]]:
+    """``presets`` grouped by the paper and table they reproduce (:data:`PRESET_GROUPS`), in
+    that order; presets no pattern matches go to :data:`OTHER_PRESETS`, last."""
+    groups: dict[str, list[str]] = {title: [] for _, title in PRESET_GROUPS}
+    groups[OTHER_PRESETS] = []
+    for preset in presets:
+        title = next((t for pattern, t in PRESET_GROUPS if re.match(pattern, preset)), None)
+        groups[title or OTHER_PRESETS].append(preset)
+    return {title: names for title, names in groups.items() if names}
+
+
+WIDTH = 100  # --list's line width
+_INDENT = " " * 25  # under a name column of 22 characters
+
+
+def _wrapped(first: str, text: str, indent: str = _INDENT) -> list[str]:
+    return textwrap.wrap(
+        text,
+        WIDTH,
+        initial_indent=first,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
 def listing(config_dir: pathlib.Path) -> str:
     """The text ``--list`` prints."""
     from fedorth import data, fed, models
@@ -211,21 +338,21 @@ def listing(config_dir: pathlib.Path) -> str:
     lines = ["Algorithms (--config.fed.algorithm; fedorth.fed.ALGORITHMS):"]
     for name in sorted(fed.ALGORITHMS):
         paper = _algorithm_paper(name, optim_of.get(name))
-        lines.append(f"  {name:22s} {paper}")
+        lines += _wrapped(f"  {name:22s} ", paper) or [f"  {name}"]
     lines.append("")
     lines.append("Configs (--config=NAME or --config=NAME:PRESET; the configs package):")
     for c in found:
-        lines.append(
-            f"  {c['name']:22s} fed.algorithm={c['algorithm']} optim.name={c['optimizer']}: "
-            f"{c['about']}"
+        lines += _wrapped(
+            f"  {c['name']:22s} ",
+            f"fed.algorithm={c['algorithm']} optim.name={c['optimizer']}: {c['about']}",
         )
-        lines.append(f"  {'':22s} datasets: {', '.join(c['datasets'])}")
-        if c["presets"]:
-            lines.append(f"  {'':22s} presets: {', '.join(c['presets'])}")
+        lines += _wrapped(_INDENT, f"datasets: {', '.join(c['datasets'])}")
+        for title, names in preset_groups(c["presets"]).items():
+            lines += _wrapped(_INDENT, f"presets, {title}: {', '.join(names)}", _INDENT + "  ")
     lines.append("")
     lines.append("Models (--config.model.name; fedorth.models.MODELS):")
     for name, fn in models.MODELS.items():
-        lines.append(f"  {name:22s} {_first_line(fn)}")
+        lines += _wrapped(f"  {name:22s} ", _first_line(fn)) or [f"  {name}"]
     lines.append("")
     lines.append("Datasets (--config.data.name; fedorth.data.DATASETS):")
     users: dict[str, list[str]] = {}
@@ -235,15 +362,16 @@ def listing(config_dir: pathlib.Path) -> str:
     for name in data.DATASETS:
         used = users.get(name, [])
         shown = ", ".join(used[:4]) + (f" and {len(used) - 4} more" if len(used) > 4 else "")
-        lines.append(
-            f"  {name:22s} {DATASET_SOURCES.get(name, _first_line(data.DATASETS[name]))}"
-            + (f"; configs: {shown}" if used else "")
+        lines += _wrapped(
+            f"  {name:22s} ",
+            DATASET_SOURCES.get(name, _first_line(data.DATASETS[name]))
+            + (f"; configs: {shown}" if used else ""),
         )
     lines.append("")
     lines.append("Optimizers (--config.optim.name; fedorth.fed.local.DIRECTIONS):")
     for name in local.DIRECTIONS:
-        lines.append(f"  {name:22s} {OPTIMIZER_PAPERS.get(name, '')}")
-        lines.append(f"  {'':22s} keys: {', '.join(local.direction_keywords(name))}")
+        lines += _wrapped(f"  {name:22s} ", OPTIMIZER_PAPERS.get(name, "")) or [f"  {name}"]
+        lines += _wrapped(_INDENT, f"keys: {', '.join(local.direction_keywords(name))}")
     lines.append("")
     lines.append("Papers: docs/PAPERS.md.")
     return "\n".join(lines)

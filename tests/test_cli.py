@@ -1,16 +1,21 @@
-"""The command line of a new user (issue 25): configs by name or path from any directory, clean
-one-line errors, ``--list``, switching the optimizer and algorithm, and the Python API's optimizer
-dict (every key used or rejected, ``learning_rate`` included).
+"""The command line of a new user: configs by name or path from any directory, clean one-line
+errors, ``--list``, switching the optimizer (and its learning rate) and the algorithm, the
+installed ``fedorth`` command, and the Python API's optimizer dict (every key used or rejected,
+``learning_rate`` included).
 
 The subprocess tests run ``python -m experiments.main`` from a temporary directory (not the
 repository root), with ``PYTHONPATH`` at the repository so that a source checkout behaves like an
-installed package.
+installed package, and the installed ``fedorth`` command from a directory holding its own
+``configs/`` and ``experiments/`` packages.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -123,6 +128,9 @@ def test_cli_switches_optimizer_and_algorithm_from_another_directory(tmp_path):
         "'optim.precondition_frequency'] are not arguments of that optimizer and were dropped.",
         "note: --config.fed.algorithm=fedavg: the config file's ['fed.options.aligned', "
         "'fed.options.beta'] are not arguments of it and were dropped.",
+        "note: --config.optim.name=sgd: optim.learning_rate=0.003 was the config file's rate for "
+        "soap; using 0.1, sgd's rate for this setting (configs/local_sgd.py). Pass "
+        "--config.optim.learning_rate to choose another.",
         "error: Invalid config:",
         "  fed.rounds=0 is out of range; valid: an integer >= 1.",
     ], out.stderr
@@ -206,6 +214,10 @@ def test_config_by_name_and_by_path_resolve_to_the_package_file(tmp_path, monkey
             "fedpac_soap:nope",
             "config 'fedpac_soap' has no preset 'nope'; its presets: c4_llama130m",
         ),
+        (  # the minimax configs' presets live in configs/minimax_auc.py
+            "fed_nsgda_m:sst2_homo_p5",
+            "config 'fed_nsgda_m' has no preset 'sst2_homo_p5'; its presets: sentiment140_",
+        ),
     ],
 )
 def test_bad_config_argument_is_one_line(spec, expected, tmp_path, monkeypatch):
@@ -215,7 +227,9 @@ def test_bad_config_argument_is_one_line(spec, expected, tmp_path, monkeypatch):
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("spec", ["configs/nope.py", "configs/base.py", "fedpac_soap:nope"])
+@pytest.mark.parametrize(
+    "spec", ["configs/nope.py", "configs/base.py", "fedpac_soap:nope", "fedmuon_da:yelp_p4"]
+)
 def test_cli_bad_config_argument_is_one_clean_line_exit_2(spec, tmp_path, monkeypatch):
     """Answered before fedorth and JAX load (about 1 s of the process's time)."""
     out = main(tmp_path, f"--config={spec}", f"--workdir={tmp_path / 'w'}")
@@ -260,6 +274,149 @@ def test_cli_list_names_every_algorithm_config_model_dataset_and_optimizer(tmp_p
         *local.DIRECTIONS,
     }
     assert expected <= names, sorted(expected - names)
-    # Each config line shows its presets, e.g. fedpac_soap's paper presets.
-    assert "presets: c4_llama130m, c4_llama350m, c4_llama60m, cifar100_resnet18," in text
     assert len(catalog.config_names()) >= 40
+    assert max(map(len, text.splitlines())) <= catalog.WIDTH, "a line is not wrapped"
+    # Every preset of every config, under its config and in its paper's group.
+    blocks = re.split(r"\n  (?=\S)", text.split("\nConfigs (")[1].split("\n\nModels (")[0])
+    listed = {block.split()[0]: block for block in blocks[1:]}
+    assert sorted(listed) == catalog.config_names()
+    directory = catalog.config_dir()
+    for name in catalog.config_names():
+        presets = catalog.presets_of(catalog.load_config_module(directory / f"{name}.py")) or []
+        words = set(re.findall(r"[\w.]+", listed[name]))
+        assert not set(presets) - words, (name, sorted(set(presets) - words))
+        groups = catalog.preset_groups(presets)
+        assert catalog.OTHER_PRESETS not in groups, (name, groups.get(catalog.OTHER_PRESETS))
+        for title in groups:
+            assert f"presets, {title}:" in listed[name], (name, title)
+    assert (
+        "presets, Fed minimax (Zhang & Gao) Sec. 5: sentiment140_hetero_p16,"
+        in listed["fed_nsgda_m"]
+    )
+    assert "FedPAC (Liu et al.) Table 3: c4_llama130m, c4_llama350m, c4_llama60m" in " ".join(
+        listed["fedpac_soap"].split()
+    )
+    assert not re.search(r"\bthe seeds?\b|\b00\d\b", text, re.I), "the papers by name"
+
+
+# ---------------------------------------------------------------------------------------------
+# The installed `fedorth` command, from a directory holding its own configs/ and experiments/.
+
+
+def fedorth_command() -> str:
+    beside = pathlib.Path(sys.executable).parent / "fedorth"
+    found = str(beside) if beside.is_file() else shutil.which("fedorth")
+    if found is None:
+        pytest.skip("the fedorth command is not installed (pip install -e .)")
+    return found
+
+
+@pytest.fixture
+def user_dir(tmp_path) -> pathlib.Path:
+    """A user's project: packages named configs and experiments of its own, and a config of its
+    own that imports the shipped configs.base and a neighbour."""
+    for package in ("configs", "experiments"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "configs" / "lab.py").write_text("ROUNDS = 3\n")
+    (tmp_path / "configs" / "mine.py").write_text(
+        "from configs import base, lab\n\n\ndef get_config(arg=None):\n"
+        "    config = base.get_base_config()\n    config.fed.rounds = lab.ROUNDS\n"
+        "    return config\n"
+    )
+    return tmp_path
+
+
+def fedorth(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [fedorth_command(), *args]
+    return subprocess.run(
+        command, cwd=cwd, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # five processes, 2-6 s each
+def test_fedorth_command_finds_the_shipped_configs_beside_a_users_folders(user_dir):
+    out = fedorth(user_dir, "--help")
+    assert out.returncode == 0 and "commands:" in out.stdout, out.stderr
+    for command in ("run", "list", "config", "report", "prepare"):
+        assert f"\n  {command} " in out.stdout, command
+    # `config` prints what config.json would hold; `run` resolves the same file and stops at
+    # validation (fed.rounds=0) before compiling anything.
+    out = fedorth(user_dir, "config", "fedpac_soap:cifar100_resnet18")
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    shipped = catalog.load_config_module(catalog.config_dir() / "fedpac_soap.py")
+    assert printed == json.loads(
+        json.dumps(shipped.get_config("cifar100_resnet18").to_dict(), default=str)
+    )
+    out = fedorth(
+        user_dir, "run", "--config=fedpac_soap", f"--workdir={user_dir / 'w'}",
+        "--config.fed.rounds=0",
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "error: Invalid config:",
+        "  fed.rounds=0 is out of range; valid: an integer >= 1.",
+    ], out.stderr
+    # The user's own config imports the shipped configs.base and its neighbour.
+    out = fedorth(user_dir, "config", "configs/mine.py", "--config.seed=7")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["fed"]["rounds"] == 3 and json.loads(out.stdout)["seed"] == 7
+    out = fedorth(user_dir, "list")
+    assert out.returncode == 0 and "fedpac_soap" in out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_python_m_experiments_main_beside_a_users_configs_folder(user_dir):
+    """``python -m experiments.main`` (the documented interface) with a ``configs/`` package in
+    the current directory still runs the shipped configs."""
+    shutil.rmtree(user_dir / "experiments")  # python -m would run the user's experiments
+    out = main(user_dir, "--config=fedpac_soap", f"--workdir={user_dir / 'w'}", "--config.seed=-1")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("  seed=-1"), out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Switching the optimizer: a learning rate the user did not type follows the optimizer.
+
+
+def local_rate(optimizer: str, preset: str | None = None) -> float:
+    module = catalog.load_config_module(catalog.config_dir() / f"local_{optimizer}.py")
+    return module.get_config(preset).optim.learning_rate
+
+
+@pytest.mark.slow  # five processes, 2-4 s each
+def test_optimizer_switch_takes_the_new_optimizers_rate_or_refuses(tmp_path):
+    switch = ["--config.fed.algorithm=fedpac_soap", "--config.optim.name=soap"]
+    out = fedorth(tmp_path, "config", "fedavg", *switch)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["optim"]["learning_rate"] == local_rate("soap") == 0.003
+    assert out.stderr.splitlines() == [
+        "note: --config.optim.name=soap: optim.learning_rate=0.1 was the config file's rate for "
+        "sgd; using 0.003, soap's rate for this setting (configs/local_soap.py). Pass "
+        "--config.optim.learning_rate to choose another."
+    ], out.stderr
+    # A paper preset: the same paper's SOAP rate for that setting (FedPAC Table 8).
+    out = fedorth(tmp_path, "config", "fedavg:cifar100_resnet18", *switch)
+    assert out.returncode == 0, out.stderr
+    rate = json.loads(out.stdout)["optim"]["learning_rate"]
+    assert rate == local_rate("soap", "cifar100_resnet18") != 0.1, rate
+    # A typed rate is kept, without a note.
+    out = fedorth(tmp_path, "config", "fedavg", *switch, "--config.optim.learning_rate=0.01")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert json.loads(out.stdout)["optim"]["learning_rate"] == 0.01
+    # No config gives the new optimizer's rate for the setting: refused with the fix, and the
+    # run refuses the same way.
+    expected = (
+        "error: --config.optim.name=lmo: optim.learning_rate=0.1 is the config file's rate for "
+        "sgd, and no config gives lmo's rate for this setting: pass "
+        "--config.optim.learning_rate=VALUE."
+    )
+    out = fedorth(tmp_path, "config", "fedavg", "--config.optim.name=lmo")
+    assert out.returncode == 2 and out.stderr.splitlines() == [expected], out.stderr
+    out = main(
+        tmp_path, "--config=fedavg", f"--workdir={tmp_path / 'w'}", "--config.optim.name=lmo"
+    )
+    assert out.returncode == 2 and out.stderr.splitlines() == [expected], out.stderr

@@ -124,8 +124,8 @@ def rnn(
     pad_id: int = 0,
     dtype: str = "float32",
 ) -> Model:
-    """The `rnn` text classifier of FedMuon (Zhang & Gao) (Table 3) and Fed minimax (Zhang & Gao) (§6): see
-    `RNNClassifier`.
+    """The `rnn` text classifier of FedMuon (Zhang & Gao) (Table 3) and Fed minimax (Zhang &
+    Gao) (§6): see `RNNClassifier`.
 
     Args:
       num_classes: 2 (binary sentiment).

@@ -1,0 +1,208 @@
+r"""The ``fedorth`` command, installed with the package.
+
+    fedorth run --config=fedpac_soap --workdir=runs/fedpac_soap [--config.KEY=VALUE ...]
+    fedorth list
+    fedorth config fedpac_soap:cifar100_resnet18 [--config.KEY=VALUE ...]
+    fedorth report runs/ --no-plot
+    fedorth prepare cifar100
+
+``fedorth run`` is ``python -m experiments.main``, ``report`` and ``prepare`` are
+``python -m experiments.report`` and ``.prepare``; ``list`` is ``--list``; ``config`` prints the
+config a run would write to ``config.json``, after the command line's overrides and switches,
+without running it.
+
+Unlike ``python -m experiments.main``, which imports ``experiments`` and ``configs`` from the
+current directory first, the command finds the ``experiments`` and ``configs`` packages shipped
+beside ``fedorth`` (:func:`shipped_package`), so a user's own folders of those names do not
+hide them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+import types
+from collections.abc import Sequence
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent  # site-packages, or the source tree
+
+USAGE = """\
+usage: fedorth COMMAND [ARGS]
+
+Federated learning with orthogonalized and second-order local optimizers (JAX/Optax).
+
+commands:
+  run      run one experiment (or resume it):
+             fedorth run --config=NAME[:PRESET] --workdir=DIR [--config.KEY=VALUE ...]
+  list     the algorithms, configs and their presets (by paper and table), models, datasets
+           and optimizers
+  config   print the config a run would use, without running it:
+             fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]
+  report   tabulate and plot runs, seeds aggregated: fedorth report DIR ... [--no-plot]
+  prepare  prepare a TFDS dataset once: fedorth prepare NAME [--data_dir=DIR]{sweep}
+
+`fedorth COMMAND --help` lists a command's flags. `fedorth run` takes the arguments of
+`python -m experiments.main` (README.md, "Running experiments").
+"""
+
+_SWEEP_HELP = "\n  sweep    several runs of one config over seeds and values: fedorth sweep --help"
+
+
+def shipped_package(name: str) -> types.ModuleType:
+    """The top-level package ``name`` (``configs`` or ``experiments``) shipped with fedorth.
+
+    The wheel installs ``configs`` and ``experiments`` beside ``fedorth`` (and a source tree
+    holds them beside it too). ``import configs`` from a directory with its own ``configs/``
+    would find that folder first (Python puts the current directory first on ``sys.path`` for
+    ``python -m``); this binds ``sys.modules[name]`` to the shipped package instead, so that the
+    configs' own ``from configs import base`` resolve to it as well.
+
+    Raises:
+      ModuleNotFoundError: no such package beside ``fedorth`` (an installation without it).
+    """
+    folder = _ROOT / name
+    module = sys.modules.get(name)
+    if module is not None and str(folder) in list(getattr(module, "__path__", [])):
+        return module
+    init = folder / "__init__.py"
+    if not init.is_file():
+        raise ModuleNotFoundError(f"fedorth's {name!r} package is not installed beside it ({init})")
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]  # another folder of that name, imported first
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _has_sweep() -> bool:
+    return (_ROOT / "experiments" / "sweep.py").is_file()
+
+
+def _error(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _run(argv: Sequence[str]) -> int:
+    from absl import app
+
+    from experiments import main as run_main
+
+    sys.argv = ["fedorth run", *argv]
+    app.run(run_main.main, flags_parser=run_main.flags_parser)  # exits
+    return 0
+
+
+def _config(argv: Sequence[str]) -> int:
+    """``fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]``: the resolved config as JSON
+    (what ``config.json`` of a run would hold), the switches' notes on stderr."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]")
+        return 0 if argv else 2
+    from absl import flags
+    from ml_collections import config_flags
+
+    from experiments import catalog
+
+    name, overrides_argv = argv[0].removeprefix("--config="), list(argv[1:])
+    try:
+        spec = catalog.resolve_config(name)
+    except catalog.ConfigArgumentError as e:
+        return _error(str(e))
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", lock_config=True, flag_values=values)
+    command = ["fedorth config", f"--config={spec}", *overrides_argv]
+    try:
+        values(command)
+    except flags.Error as e:
+        return _error(str(e))
+    except (AttributeError, KeyError) as e:
+        from fedorth.train import validate
+
+        return _error(validate.unknown_override_message(command) or f"invalid override: {e!r}")
+    from fedorth.train import validate
+
+    config = values.config
+    try:
+        notes = catalog.apply_switches(
+            config, config_flags.get_override_values(values["config"]), spec
+        )
+        validate.validate(config)
+    except (catalog.ConfigArgumentError, validate.ConfigError) as e:
+        return _error(str(e))
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def _list(argv: Sequence[str]) -> int:
+    if argv:
+        return _error(f"fedorth list takes no arguments, got {list(argv)}")
+    from experiments import catalog
+
+    print(catalog.listing(catalog.config_dir()))
+    return 0
+
+
+def _report(argv: Sequence[str]) -> int:
+    from experiments import report
+
+    report.main(list(argv))
+    return 0
+
+
+def _prepare(argv: Sequence[str]) -> int:
+    from experiments import prepare
+
+    return prepare.main(list(argv))
+
+
+def _sweep(argv: Sequence[str]) -> int:
+    from experiments import sweep
+
+    return sweep.main(list(argv)) or 0
+
+
+COMMANDS = {
+    "run": _run,
+    "list": _list,
+    "config": _config,
+    "report": _report,
+    "prepare": _prepare,
+    "sweep": _sweep,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``fedorth`` console script (``[options.entry_points]`` in setup.cfg)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = [c for c in COMMANDS if c != "sweep" or _has_sweep()]
+    usage = USAGE.format(sweep=_SWEEP_HELP if _has_sweep() else "")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage, end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from fedorth import __version__
+
+        print(f"fedorth {__version__}")
+        return 0
+    if argv[0] not in commands:
+        return _error(
+            f"unknown command {argv[0]!r}; commands: {', '.join(commands)} (fedorth --help)"
+        )
+    # Before anything loads NumPy or JAX: experiments/__init__.py sets the process-wide thread
+    # and CPU-device settings; then `import experiments` / `configs` are the shipped packages.
+    shipped_package("experiments")
+    shipped_package("configs")
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
