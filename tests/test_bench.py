@@ -10,6 +10,7 @@ and the canonical convolution give the numbers of the explicit ones.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench import budget, cli, flops, presets, rounds, runners, workloads
+from experiments.bench import budget, cli, flops, jax_loop, presets, rounds, runners, workloads
 from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.round import resolve_strategy
@@ -228,6 +229,108 @@ def test_bad_choices_name_the_flag():
         fed.RoundConfig(4, 2, 3, 0.1, unroll=0).validate(
             fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
         )
+
+
+# ----------------------------------------------------------------------------- the jax_loop peer
+
+# The bench's algorithms with the local optimizers it runs them with (workloads.ALGORITHMS),
+# then one case for each other path of the peer: a warm start from the whole averaged state
+# (FedMuon), a server optimizer (FedAdam), the global server step x <- x - gamma g_G, and
+# a minimax algorithm (ascent on a dual matrix; the averaged momentum warm-started).
+_PEER_CASES = {name: (name, optim, {}) for name, optim in workloads.ALGORITHMS.items()}
+_PEER_CASES |= {
+    "fedmuon": ("fedmuon", {"name": "muon"}, {}),
+    "fedadam": ("fedadam", {"name": "sgd"}, {}),
+    "fedpac_muon[server_lr]": ("fedpac_muon", {"name": "muon"}, {"server_lr": 0.5}),
+    "fedsgda_m": ("fedsgda_m", {"name": "sgd"}, {}),
+}
+
+
+def _peer_problem(minimax: bool):
+    """fed_problems' quadratic clients with noise drawn from the batch and model keys (so the
+    two implementations must derive the same keys), a float model state the server averages,
+    and, for the minimax algorithms, a dual matrix."""
+    import fed_problems as fp
+
+    data = jax.tree.map(jnp.asarray, fp.quadratic_clients(6, seed=5))
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+    if minimax:
+        params["dual"] = jnp.zeros((4, 2))
+
+    def batch_fn(data, client, key):
+        batch = fp.batch_fn(data, client, key)
+        return {**batch, "B": batch["B"] + 0.1 * jax.random.normal(key, batch["B"].shape)}
+
+    def loss_fn(params, model_state, batch, key):
+        loss, _ = fp.loss_fn(params, model_state, batch, key)
+        loss = loss + 0.1 * jnp.sum(jax.random.normal(key, params["w"].shape) * params["w"])
+        if "dual" in params:  # + <y, W[:, :2]> - 1/2 ||y||^2, concave in y
+            y = params["dual"]
+            loss = loss + jnp.sum(y * params["w"][:, :2]) - 0.5 * jnp.sum(y**2)
+        return loss, ({"ema": 0.9 * model_state["ema"] + 0.1 * params["b"]}, {})
+
+    return data, params, {"ema": jnp.zeros(3)}, loss_fn, batch_fn
+
+
+@pytest.mark.parametrize("case", sorted(_PEER_CASES))
+def test_jax_loop_peer_agrees_with_the_engine_for_three_rounds(case):
+    """The jax_loop peer runs the engine's algorithm (its server state, keys, warm starts and
+    server step): 3 rounds equal the engine's sequential round to float32 rounding on every
+    float leaf of the server state, for every algorithm the bench runs (FedPAC's warm start
+    keeps Theta only: aggregate_mask) and each other path of the peer."""
+    name, optim, options = _PEER_CASES[case]
+    algorithm = fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
+    minimax = "minimax" in fed.ALGORITHMS[name].__module__
+    data, params, model_state, loss_fn, batch_fn = _peer_problem(minimax)
+    config = fed.RoundConfig(6, 4, 2, 0.05, strategy="sequential")
+    servers = []
+    for make in (fed.make_round_fn, jax_loop.JaxLoopRound):
+        round_fn = make(algorithm, loss_fn, batch_fn, config)
+        server = fed.init_server(
+            algorithm, params, model_state, num_clients=6, key=jax.random.key(1)
+        )
+        for _ in range(3):
+            server = round_fn(server, data)
+            server = server[0] if isinstance(server, tuple) else server  # the engine's metrics
+        servers.append(server.replace(key=jax.random.key_data(server.key)))
+    engine, loop = servers
+    leaves = jax.tree_util.tree_leaves_with_path(engine)
+    for (path, a), b in zip(leaves, jax.tree.leaves(loop), strict=True):
+        where = jax.tree_util.keystr(path)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=where)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def test_jax_loop_peer_refuses_what_it_does_not_implement(monkeypatch):
+    """Every registered algorithm outside the peer's design-axis values (clients that keep their
+    own state, control variates, reports, a pre-pass, compressed uploads) is refused, naming
+    them, before anything compiles; the bench's round skips its jax_loop row with that reason."""
+    refused = {}
+    for name in sorted(fed.ALGORITHMS):
+        for optimizer in ("sgd", "muon", "soap", "sophia", "adamw", "lmo"):
+            try:
+                algorithm = fed.get_algorithm(name, {"name": optimizer, "learning_rate": 0.05})
+                break
+            except ValueError:  # a preset of another optimizer
+                continue
+        why = jax_loop.unsupported(algorithm)
+        if why is not None:
+            refused[name] = why
+            config = fed.RoundConfig(6, 4, 2, 0.05)
+            with pytest.raises(ValueError, match=re.escape(why)):
+                jax_loop.JaxLoopRound(algorithm, None, None, config)
+    assert "clients that keep their own state" in refused["fedmuon_bc"]
+    assert "control variates" in refused["scaffold"]
+    assert "low-rank state compression" in refused["fedpac_soap_light"]
+    assert set(workloads.ALGORITHMS).isdisjoint(refused), "the bench's algorithms all run"
+    monkeypatch.setitem(
+        workloads.ALGORITHMS, "fedpac_soap_light", workloads.ALGORITHMS["fedpac_soap"]
+    )
+    case = workloads.Case("mlp_small", "fedpac_soap_light", 2, 2, 8)
+    with pytest.raises(rounds.Skip, match="low-rank state compression"):
+        rounds.make_runner(("jax_loop",), case, None, None)
 
 
 # ----------------------------------------------------------------------------- the torch peer
