@@ -231,6 +231,60 @@ def test_bad_choices_name_the_flag():
         )
 
 
+# ----------------------------------------------------------------------------- the package
+
+
+def _bench_imports() -> dict[str, tuple[set[str], list[str]]]:
+    """Module of experiments/bench -> (the package's modules it imports at top level, the
+    package's modules it imports inside a function or class), read from the source."""
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(cli.__file__).parent
+    modules = {path.stem for path in folder.glob("*.py")}
+    found = {}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top, nested = set(), []
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = "experiments.bench" if node.level else (node.module or "")
+                if node.level and node.module:
+                    base += f".{node.module}"
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            targets = set()
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["experiments", "bench"]:
+                    targets.add(parts[2] if len(parts) > 2 and parts[2] in modules else "__init__")
+            (top.update if node in tree.body else nested.extend)(targets)
+        found[path.stem] = (top - {path.stem}, nested)
+    return found
+
+
+def test_bench_package_has_no_import_cycle_and_no_lazy_imports():
+    """experiments/bench's modules import each other at the top only, along an acyclic graph
+    (the order of the package docstring), and its __init__ imports none of them, so each module
+    imports alone."""
+    graph = _bench_imports()
+    assert {"cli", "rounds", "optim", "jax_loop", "__main__"} <= set(graph)
+    assert graph["__init__"] == (set(), []), "the package's __init__ imports no module of it"
+    for module, (_, nested) in graph.items():
+        assert not nested, f"{module} imports {nested} inside a function (a hidden cycle)"
+    order, done = [], set()
+    while len(done) < len(graph):
+        ready = [
+            m for m, (deps, _) in graph.items() if m not in done and deps - {"__init__"} <= done
+        ]
+        assert ready, f"import cycle among {sorted(set(graph) - done)}"
+        done.update(ready)
+        order.append(sorted(ready))
+    assert order[-1] == ["__main__"] and ["cli"] in order
+
+
 # ----------------------------------------------------------------------------- the jax_loop peer
 
 # The bench's algorithms with the local optimizers it runs them with (workloads.ALGORITHMS),
