@@ -87,6 +87,17 @@ def test_readme_commands_name_configs_that_resolve(tmp_path, monkeypatch):
         catalog.resolve_config(spec)
 
 
+def test_ci_runs_the_readmes_two_commands_in_a_fresh_virtualenv():
+    """``.ci/run`` runs the Quick start's commands verbatim, inside a new virtual environment."""
+    quick_start = README.read_text().split("## Quick start")[1].split("\n## ")[0]
+    commands = [block.strip() for block in _BASH.findall(quick_start)]
+    assert len(commands) == 2, commands
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    venv_line = next(i for i, line in enumerate(script) if "-m venv" in line)
+    activate = next(i for i, line in enumerate(script) if "/bin/activate" in line)
+    assert venv_line < activate < script.index(commands[0]) < script.index(commands[1]), script
+
+
 def test_import_fedorth_reaches_the_subpackages_lazily():
     """``import fedorth; fedorth.optim.muon(...)`` works as ``optax.adam`` after ``import optax``,
     and ``import fedorth`` alone loads no JAX (the command line's start-up stays fast)."""
