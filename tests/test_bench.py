@@ -149,6 +149,28 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     assert memory["vmap"]["train_loss_finite"]
 
 
+def test_optim_subcommand_writes_json_with_consistent_figures(tmp_path):
+    """`python -m experiments.bench optim` on one small leaf: the update table, then Newton–Schulz
+    alone, whose GFLOP/s is newton_schulz_flops over the measured time and whose fraction of the
+    reference matmul uses the faster of the two matmul measurements."""
+    path = tmp_path / "optim.json"
+    argv = ["optim", "--shapes", "8x12", "--repeats", "1", "--warmup", "0"]
+    argv += ["--optimizers", "optax.adamw", "--ns-steps", "3", "--json", str(path)]
+    assert cli.main(["bench", *argv]) == 0
+    result = json.loads(path.read_text())
+    assert set(result["update_ms"]["8x12"]) == {"optax.adamw"} and not result["skipped"]
+    ns = result["newton_schulz"]["8x12"]
+    assert ns["matrix"] == [8, 12]
+    seconds = ns["fedorth_ms"] / 1e3
+    assert ns["fedorth_gflops"] == pytest.approx(newton_schulz_flops((8, 12), 3) / seconds / 1e9)
+    assert ns["fraction_of_matmul"] == pytest.approx(
+        ns["fedorth_gflops"] / max(result["matmul_2048_gflops"])
+    )
+    with pytest.raises(SystemExit):  # argparse: an unknown optimizer names the valid ones
+        cli.main(["bench", "optim", "--optimizers", "sgd"])
+    assert cli.main(["bench", "sweep-typo"]) == 2, "an unknown subcommand prints the usage"
+
+
 def test_entry_points_run_host_lapack_with_one_openblas_thread_unless_told_otherwise():
     # SOAP/FedPAC factorizations run SciPy's LAPACK on the host; with OpenBLAS's default threads
     # they spin against XLA's (lenet5 FedPAC_SOAP 145 vs 109 ms per 2-round period, PERFORMANCE.md),
