@@ -17,6 +17,7 @@ import fed_problems as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedorth import fed
@@ -190,8 +191,10 @@ def _eigh_desc(gg):
 
 def _np_soap(data, aligned: str):
     """Alg. 5's SOAP step as the reference runs it (``fedorth.optim.soap``), per leaf: w (4 x 4)
-    rotated by Q_L, Q_R; b (4,) plain Adam. Step ``c`` (global, from 0): c = 0 builds L, R and
-    Q = eigh (descending) and returns 0; else G' = Q_Lᵀ G Q_R, m, v Adam moments with bias
+    rotated by Q_L, Q_R; b (4,) plain Adam. Step ``c`` (global, from 0): the first step since
+    the moments were zero (c = 0; under ``"theta"`` every round's first, c mod K = 0, as in
+    Local SOAP and the authors' code) adds G to L, R, builds Q = eigh (descending) and returns
+    0; else G' = Q_Lᵀ G Q_R, m, v Adam moments with bias
     correction at t (Adam steps since the moments were zero), L, R EMAs (β_s = b2), and when
     c mod f = 0 the QR refresh (power step, columns sorted by the estimated eigenvalues, v
     permuted, m moved to the new basis)."""
@@ -201,7 +204,7 @@ def _np_soap(data, aligned: str):
         del hdiag
         (mw, vw, mb, vb, t), (gl, gr), (ql, qr) = st
         gw, gb = g
-        if step == 0:
+        if step == 0 or (aligned == "theta" and step % K == 0):
             gl = b2 * gl + (1 - b2) * gw @ gw.T
             gr = b2 * gr + (1 - b2) * gw.T @ gw
             return [np.zeros((4, 4)), np.zeros(4)], (
@@ -255,9 +258,11 @@ def test_fedpac_soap_matches_alg2_with_alg5(aligned):
     """FedPAC_SOAP, 3 rounds of 3 of 4 clients, K = 3, f = 4 (refreshes at global steps 4 and
     8, inside rounds 1 and 2): params, g_G and the drift (Eq. 7 over L, R; the stacked path of
     SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged, Q rebuilt
-    from them by eigh, m and v from zero with t restarting at 1 each round, the refresh counted
-    over the whole training (no update-free step after round 0); ``"state"``: m, v averaged too,
-    and the old code path's params (``GOLDEN``).
+    from them by eigh, m and v from zero, each round's first step update-free (it adds the
+    gradient to L, R and rebuilds Q by eigh, as Local SOAP's first step does) and t restarting
+    at 1 on the second, the refresh counted over the whole training; ``"state"``: m, v averaged
+    too (the only update-free step is training's first), and the old code path's params
+    (``GOLDEN``).
     """
     data = _diagonal_clients()
     with jax.enable_x64(True):
@@ -359,3 +364,44 @@ def test_every_fedpac_preset_names_what_it_aligns(name):
         config = module.get_config(preset)
         assert config.fed.options.aligned == "theta", (name, preset)
         config.fed.options.aligned = "state"  # the override the command line performs
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+def test_local_soap_and_fedpac_soap_take_the_same_update_free_steps(strategy, monkeypatch):
+    """Local SOAP and Θ-only FedPAC_SOAP take the same number of update-free steps: one per
+    client per round (the reference's first call, which builds Q by eigh; the authors' code
+    does it on every round's first step for both methods), so both take K - 1 Adam steps per
+    round. Counted on the directions SOAP returns in the engine (all-zero = update-free)."""
+    from fedorth.fed import local
+    from fedorth.optim.soap import scale_by_soap
+
+    calls = []
+
+    def record_update_free(updates, state, params=None):
+        del params
+        zero = sum(jnp.sum(jnp.abs(u)) for u in jax.tree.leaves(updates)) == 0
+        jax.debug.callback(lambda z: calls.append(bool(z)), zero)
+        return updates, state
+
+    def recorded_soap(**kwargs):
+        recorder = optax.GradientTransformation(optax.init_empty_state, record_update_free)
+        return optax.chain(scale_by_soap(**kwargs), recorder)
+
+    monkeypatch.setitem(local.DIRECTIONS, "soap", recorded_soap)
+    data = jax.tree.map(jnp.asarray, _diagonal_clients())
+    free = {}
+    for name, options in [("local_soap", {}), ("fedpac_soap", {"beta": BETA})]:
+        calls.clear()
+        alg = fed.get_algorithm(name, SOAP, **options)
+        config = fed.RoundConfig(
+            num_clients=N, clients_per_round=S, local_steps=K, learning_rate=LR, strategy=strategy
+        )
+        params = {"w": jnp.asarray(X0[0]), "b": jnp.asarray(X0[1])}
+        server = fed.init_server(alg, params, {}, num_clients=N, key=jax.random.key(0))
+        round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
+        for _ in range(ROUNDS):
+            server, _ = round_fn(server, data)
+        jax.effects_barrier()
+        assert len(calls) == ROUNDS * S * K, (name, len(calls))
+        free[name] = sum(calls)
+    assert free == {"local_soap": ROUNDS * S, "fedpac_soap": ROUNDS * S}, free

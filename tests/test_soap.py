@@ -316,8 +316,9 @@ def test_matches_reference_step_for_step(case):
     with jax.enable_x64(True):
         ours, theirs, state, ref = run_both(shapes, kwargs, structure)
         assert state.count.dtype == jnp.int32 and int(state.count) == len(ours)
-        # The reference's step (the bias correction's t) excludes the update-free first call.
-        assert state.moment_count.dtype == jnp.int32 and int(state.moment_count) == len(ours) - 1
+        # moment_count counts the calls since the moments were zero, the update-free first one
+        # included: the reference's step (the bias correction's t) is moment_count - 1 after it.
+        assert state.moment_count.dtype == jnp.int32 and int(state.moment_count) == len(ours)
         for t, (u, r) in enumerate(zip(ours, theirs, strict=True)):
             for k in shapes:
                 assert u[k].dtype == jnp.float64
@@ -578,7 +579,7 @@ def test_average_soap_states_rule():
         avg = jax.jit(federated.average_states)(state_C)
         assert isinstance(avg, SoapState)
         assert int(avg.count) == int(state_C.count)
-        assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count) - 1
+        assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count)
         for k in shapes:
             mu_back_C = [
                 np.asarray(

@@ -21,12 +21,15 @@ et al.)
 Alg. 4 (Local SOAP) and Alg. 5 (FedPAC_SOAP) restate it. Choices where the reference is implicit:
 
 * ``t`` in the bias correction is the reference's ``state["step"]``: the number of steps that
-  made an update (the first, update-free call is not counted). The state keeps it apart from
-  ``count`` as ``moment_count``, the number of Adam steps since the moments were last zero; in a
-  plain run the two agree (``t = count``), but FedPAC's Θ alignment restarts the moments each
-  round while ``count`` runs on (:func:`soap_align_mask`). The refresh runs when ``count > 0``
-  and ``count % precondition_frequency == 0``, on the factors that already include the current
-  gradient, as in the reference.
+  made an update (the first, update-free call is not counted). The state keeps its own
+  ``moment_count``, the number of calls since the moments were last zero, apart from ``count``
+  (the schedule counter): the update-free call is the one with ``moment_count = 0``, and ``t`` is
+  ``moment_count`` before the call. In a plain run ``moment_count = count``; FedPAC's Θ
+  alignment restarts the moments (and ``moment_count``) each round while ``count`` runs on
+  (:func:`soap_align_mask`), so each round starts with the update-free call, as every round of
+  Local SOAP (whose whole state restarts) does: both take ``K − 1`` Adam steps per round. The
+  refresh runs when ``count % precondition_frequency == 0`` on a call with an update, on the
+  factors that already include the current gradient, as in the reference.
 * The reference maps ``m`` back and forth through the same basis on steps without a refresh; that
   round trip is the identity (``Q`` is orthogonal) and is skipped here.
 * ``eigh``/``qr`` run in ``promote(dtype, float32)``: low precision is upcast to float32 as in
@@ -82,8 +85,9 @@ class SoapState(NamedTuple):
     exp_avg_sq: PyTree  # second moment, in the rotated basis
     GG: PyTree  # per leaf: tuple of factors [d, d] (L = GGᵀ, R = GᵀG) or None
     Q: PyTree  # per leaf: tuple of eigenbases [d, d] or None
-    # shape=(), int32: Adam steps since the moments were zero, the t of the bias correction
-    # (count - 1 after the first call of a plain run; restarts with the moments, soap_align_mask).
+    # shape=(), int32: calls since the moments were zero; the first of them is the update-free
+    # one, so the t of the bias correction is moment_count before the call (= count in a plain
+    # run; restarts with the moments each round under Theta alignment, soap_align_mask).
     moment_count: jax.Array
 
 
@@ -364,8 +368,9 @@ def scale_by_soap(
     def update_fn(updates, state, params=None):
         del params
         count = state.count
-        # t of the bias correction: this step's Adam step since the moments were zero.
-        step = optax.safe_increment(state.moment_count)
+        # Calls since the moments were zero: the first (0) is update-free; then t of the bias
+        # correction is this count (the update-free call is not an Adam step).
+        step = state.moment_count
         grads, treedef = jax.tree.flatten(updates)
         mus = treedef.flatten_up_to(state.exp_avg)
         nus = treedef.flatten_up_to(state.exp_avg_sq)
@@ -381,7 +386,7 @@ def scale_by_soap(
             ]
             new_qs = [_eigenbases(gg) for gg in new_ggs]
             zeros = [jnp.zeros_like(g) for g in grads]
-            return zeros, mus, nus, new_ggs, new_qs, state.moment_count
+            return zeros, mus, nus, new_ggs, new_qs, optax.safe_increment(step)
 
         def later_step(_):
             directions, new_mus, new_nus, new_ggs = [], [], [], []
@@ -417,9 +422,9 @@ def scale_by_soap(
 
             due = count % precondition_frequency == 0
             out_mus, out_nus, out_qs = _branch(due, refresh, keep)
-            return directions, out_mus, out_nus, new_ggs, out_qs, step
+            return directions, out_mus, out_nus, new_ggs, out_qs, optax.safe_increment(step)
 
-        directions, mus, nus, ggs, qs, moment_count = _branch(count == 0, first_step, later_step)
+        directions, mus, nus, ggs, qs, moment_count = _branch(step == 0, first_step, later_step)
         new_state = SoapState(
             count=optax.safe_increment(count),
             exp_avg=treedef.unflatten(mus),
@@ -613,15 +618,16 @@ def soap_align_mask(state: SoapState) -> SoapState:
     starts the round in the basis of the aligned factors, not in ``init``'s placeholder. And
     ``count``, the shared schedule counter, so that the basis refresh runs every
     ``precondition_frequency`` steps of the whole training (``(rK + k) mod f``, as Alg. 9 line 9
-    counts Sophia's Hessian refresh) and only the very first step of training is the reference's
-    update-free step that builds ``Q`` by ``eigh``: the next rounds start with a real step in the
-    server's basis.
+    counts Sophia's Hessian refresh).
 
     Not the Adam moments ``m, v`` (not in ``Θ``; they restart from zero each round, as in Local
-    SOAP, FedPAC being Local-X plus alignment and correction) and, with them, ``moment_count``,
-    so the bias correction ``√(1 − β₂ᵗ)/(1 − β₁ᵗ)`` counts ``t`` from the round's first step:
-    the moments restart exactly as in a fresh SOAP, the first step of a round is Adam's first
-    step (a signed step in the server's basis).
+    SOAP, FedPAC being Local-X plus alignment and correction) and, with them, ``moment_count``:
+    each round starts, as a fresh SOAP and every round of Local SOAP do, with the reference's
+    update-free call, which adds the round's first gradient to the aligned ``L, R`` and rebuilds
+    ``Q`` from them by ``eigh`` (the authors' ``main_FedPAC.py`` does this on every round's first
+    step, for Local SOAP and FedPAC_SOAP alike; Alg. 4/5 have no update-free step). Both methods
+    take ``K − 1`` Adam steps per round, and the bias correction ``√(1 − β₂ᵗ)/(1 − β₁ᵗ)`` counts
+    ``t`` from the round's second step.
     """
     return _soap_mask(state, count=True, factors=True, bases=True)
 
