@@ -56,7 +56,8 @@ the methods one table compares get the same choice):
   them with AdamW at *the same paper's* AdamW learning rate and b1 = 0.9, b2 = 0.999,
   eps = 1e-8 (optax's Adam defaults; :func:`muon_fallback`). Before, they ran Adam at the Muon
   rate (3e-2: 100x the AdamW rate), with b2 0.95 for Local Muon and 0.999 for FedMuon in one
-  table. The bias-corrected-LMO paper is not silent: Appendix G tunes a "Stepsize of Momentum
+  table. Their decoupled weight decay is at that AdamW rate too (each parameter group decays
+  at its own rate, as in the authors' code). The bias-corrected-LMO paper is not silent: Appendix G tunes a "Stepsize of Momentum
   SGD" for LocalMuon and FedMuon alike: both presets do that (``fallback="momentum_sgd"`` in
   configs/local_muon.py, ``other_lr_ratio`` in configs/fedmuon_bc.py).
 * Orthogonalization: Jordan's quintic Newton-Schulz coefficients (3.4445, -4.7750, 2.0315), 5
@@ -100,7 +101,9 @@ def muon_fallback(muon_lr: float, adamw_lr: float) -> dict[str, float]:
     fedorth's Muon direction scales its Adam fallback by ``fallback_lr_ratio`` = fallback lr /
     Muon lr (one schedule drives both); b1 = 0.9, b2 = 0.999 and eps = 1e-8 are optax's Adam
     defaults. The config's decoupled weight decay lambda applies to every leaf (the boxes'
-    ``lambda x``), Muon's and the fallback's alike.
+    ``lambda x``), each group at its own rate: ``lr * lambda`` on Muon's matrices,
+    ``fallback_lr_ratio * lr * lambda`` on the fallback's leaves, as the authors' code decays
+    its ``SingleDeviceMuonWithAuxAdam`` groups (``fedorth.fed.local.decay_rates``).
 
     Args:
       muon_lr: the Muon learning rate of the preset.

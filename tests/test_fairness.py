@@ -338,7 +338,9 @@ def test_local_muon_preset_runs_alg6_and_adamw_at_the_adamw_rate_on_biases():
     Float64 NumPy, 4 rounds of 3 of 5 clients, K = 3, state reset every round: the matrix as in
     Alg. 6 lines 7-13 (EMA momentum 0.9, Jordan's quintic, no gamma, weight decay 0.01); the
     bias with Adam (b1 0.9, b2 0.999, eps 1e-8, bias-corrected from a fresh state) at 3e-4 --
-    Table 8's AdamW rate, not the Muon rate 3e-2 -- plus the same decoupled weight decay.
+    Table 8's AdamW rate, not the Muon rate 3e-2 -- with the decoupled weight decay at that
+    rate too, ``3e-4 * 0.01`` (each parameter group decays at its own rate, as the authors'
+    ``SingleDeviceMuonWithAuxAdam`` groups do).
     """
     import fed_problems as fp
     import jax
@@ -365,7 +367,7 @@ def test_local_muon_preset_runs_alg6_and_adamw_at_the_adamw_rate_on_biases():
                     x = x - lr * (fp.np_newton_schulz(m, 5, JORDAN) + wd * x)
                     mu, nu = 0.9 * mu + 0.1 * gb, 0.999 * nu + 0.001 * gb**2
                     adam = (mu / (1 - 0.9**step)) / (np.sqrt(nu / (1 - 0.999**step)) + 1e-8)
-                    y = y - adamw_lr * adam - lr * wd * y
+                    y = y - adamw_lr * (adam + wd * y)
                 dws.append(x - w)
                 dbs.append(y - b)
             w, b = w + np.mean(dws, axis=0), b + np.mean(dbs, axis=0)
@@ -740,3 +742,96 @@ def test_fedpac_table9_methods_share_the_setting_and_one_muon(preset):
         f"{preset} orthogonalization", {m: orthogonalization(c) for m, c in configs.items()}
     )
     assert_same(f"{preset} fallback", {m: fallback_rule(c) for m, c in configs.items()})
+
+
+# ------------------------------------------- one Muon mask for every Muon-based method
+
+# A lookup table (the leaf's name ends in "embedding"), a dense kernel, a bias, a degenerate
+# (1, 1, d) token: Muon's default mask orthogonalizes the kernel only.
+_MASK_SHAPES = {
+    "embed": {"embedding": (7, 5)},
+    "dense": {"kernel": (5, 4), "bias": (4,)},
+    "cls": (1, 1, 4),
+}
+
+
+def _mask_tree(seed: int):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s)),
+        _MASK_SHAPES,
+        is_leaf=lambda s: isinstance(s, tuple),
+    )
+
+
+def test_every_muon_method_orthogonalizes_the_leaves_of_one_mask():
+    """Local Muon, FedMuon (Liu et al.), FedPAC_Muon, FedMuon-LMO, FedMuon (Zhang & Gao) and
+    FedMuon-DA orthogonalize the leaves of ``default_muon_mask`` and no other: lookup tables and
+    degenerate views take each method's rule for the other leaves (docs/FIDELITY.md,
+    "Muon-based methods"). Float64 NumPy: FedMuon (Zhang & Gao)'s first step is
+    ``-eta (UV^T + lambda X)`` on the kernel and ``-eta (m / ||m||_F + lambda X)`` on the other
+    leaves (``M_0`` = the gradient); FedMuon-DA's direction is ``NS(u)`` on the kernel and
+    ``u / ||u||`` over the other primal leaves together."""
+    import fed_problems as fp
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fedorth import fed
+    from fedorth.fed.algorithms import minimax
+    from fedorth.optim.muon import default_muon_mask
+
+    mask = default_muon_mask(_mask_tree(0))
+    expected = {
+        "embed": {"embedding": False},
+        "dense": {"kernel": True, "bias": False},
+        "cls": False,
+    }
+    assert mask == expected
+    assert jax.tree.map(lambda m: m == "matrix", local.matrix_labels(_mask_tree(0))) == expected
+    with jax.enable_x64(True):
+        params, grads = _mask_tree(1), _mask_tree(2)
+        np_g = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+        # FedMuon (Zhang & Gao): obj = <G, X> has gradient G everywhere.
+        lr, wd = 0.1, 0.01
+        alg = fed.get_algorithm("fedmuon_zg", {"name": "muon", "weight_decay": wd})
+        obj = lambda p: sum(  # noqa: E731
+            jnp.sum(a * b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(grads), strict=True)
+        )
+        step, _ = alg.local_tx.update(
+            grads, alg.local_tx.init(params), params, obj_fn=obj, learning_rate=lr
+        )
+        kernel = np_g["dense"]["kernel"]
+        jordan = (3.4445, -4.7750, 2.0315)
+        np.testing.assert_allclose(
+            step["dense"]["kernel"],
+            -lr
+            * (fp.np_newton_schulz(kernel, 5, jordan) + wd * np.asarray(params["dense"]["kernel"])),
+            rtol=1e-10,
+        )
+        for path in (("embed", "embedding"), ("dense", "bias"), ("cls",)):
+            g, p, s = np_g, params, step
+            for key in path:
+                g, p, s = g[key], p[key], s[key]
+            np.testing.assert_allclose(
+                s,
+                -lr * (g / (np.linalg.norm(g) + 1e-7) + wd * np.asarray(p)),
+                rtol=1e-10,
+                err_msg=str(path),
+            )
+        # FedMuon-DA (Fed minimax (Zhang & Gao) Alg. 2/3): all leaves primal here.
+        tx = minimax.scale_by_minimax_step(minimax.make_label_fn(), "muon", ns_coeffs="jordan")
+        d, _ = tx.update(grads, tx.init(params))
+        np.testing.assert_allclose(
+            d["dense"]["kernel"], fp.np_newton_schulz(kernel, 5, jordan), rtol=1e-10
+        )
+        others = [np_g["embed"]["embedding"], np_g["dense"]["bias"], np_g["cls"]]
+        norm = np.sqrt(sum(np.sum(o**2) for o in others))
+        for got, g in zip(
+            [d["embed"]["embedding"], d["dense"]["bias"], d["cls"]], others, strict=True
+        ):
+            np.testing.assert_allclose(got, g / norm, rtol=1e-10)

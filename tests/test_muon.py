@@ -850,3 +850,94 @@ def test_minimax_muon_step_takes_ns_dtype():
     fed.get_algorithm("local_sgda", {"name": "sgd", "learning_rate": 1.0, "ns_dtype": "auto"})
     with pytest.raises(ValueError, match=r"Newton–Schulz dtype 'int8'"):
         fed.get_algorithm("fedmuon_da", {**muon_optim, "ns_dtype": "int8"})
+
+
+def test_local_muon_bias_follows_adamw_decaying_at_the_adamw_rate():
+    # Each parameter group decays at its own rate (the authors' SingleDeviceMuonWithAuxAdam
+    # groups, each with its own lr and weight_decay): under Local Muon with FedPAC (Liu et al.)
+    # Table 8's Muon row (lr 3e-2, wd 0.01, fallback AdamW at 3e-4), a bias follows AdamW at
+    # 3e-4 with decoupled decay 3e-4 * 0.01, its Adam state restarting every round (Local-X).
+    # Float64 NumPy AdamW, engine in float64 (one client: the server average is its iterate).
+    # Decaying the bias at the Muon rate (3e-2 * 0.01) moves it by ~1e-3 here.
+    import fed_problems as fp
+
+    from configs import presets
+    from fedorth import fed
+
+    optim = dict(presets.FEDPAC_OPTIM["muon"])
+    lr, wd, ratio = optim.pop("learning_rate"), optim["weight_decay"], optim["fallback_lr_ratio"]
+    rounds, steps = 3, 20
+    rng = np.random.default_rng(5)
+    data = {"H": np.eye(4)[None], "B": rng.normal(size=(1, 4, 3)), "c": np.full((1, 3), 40.0)}
+    b0 = np.array([1.0, -2.0, 0.5])
+    with jax.enable_x64(True):
+        alg = fed.get_algorithm("local_muon", optim)
+        config = fed.RoundConfig(
+            num_clients=1, clients_per_round=1, local_steps=steps, learning_rate=lr
+        )
+        params = {"w": jnp.zeros((4, 3)), "b": jnp.asarray(b0)}
+        server = fed.init_server(alg, params, {}, num_clients=1, key=jax.random.key(0))
+        round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
+        jdata = jax.tree.map(jnp.asarray, data)
+        trajectory = []
+        for _ in range(rounds):
+            server, _ = round_fn(server, jdata)
+            trajectory.append(np.asarray(server.params["b"], np.float64))
+    lr_adamw = ratio * lr
+    assert lr_adamw == pytest.approx(3e-4)
+    b = b0.copy()
+    for r in range(rounds):
+        m, v = np.zeros(3), np.zeros(3)
+        for t in range(1, steps + 1):
+            g = b - data["c"][0]
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            adam = (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+            b = b - lr_adamw * (adam + wd * b)
+        np.testing.assert_allclose(trajectory[r], b, rtol=1e-12, atol=1e-14, err_msg=f"round {r}")
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [("local_muon", {}), ("fedpac_muon", {}), ("fedmuon", {}), ("fedmuon_svd", {})],
+)
+def test_muon_fallback_leaves_decay_at_the_fallback_rate(name, options):
+    # A leaf with zero gradient moves only by the decoupled decay: x <- (1 - lr_group lambda) x,
+    # with lr_group = fallback_lr_ratio * lr on the fallback's leaves (the bias) and lr on the
+    # Muon matrices, for every Muon method (each group at its own rate; with a zero global
+    # direction the alignment/correction terms are zero).
+    from configs import presets
+    from fedorth import fed
+
+    optim = dict(presets.FEDPAC_OPTIM["muon"])
+    lr, wd, ratio = optim.pop("learning_rate"), optim["weight_decay"], optim["fallback_lr_ratio"]
+    params = {"w": jnp.full((4, 3), 2.0), "b": jnp.asarray([1.0, -2.0, 0.5])}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+        zeros = jax.tree.map(lambda x: x.astype(jnp.float64), zeros)
+        tx = fed.get_algorithm(name, optim, **options).local_tx
+        state = tx.init(params)
+        x = params
+        for _ in range(5):
+            updates, state = tx.update(zeros, state, x, learning_rate=lr, global_direction=zeros)
+            x = optax.apply_updates(x, updates)
+    np.testing.assert_allclose(
+        x["b"], np.asarray(params["b"]) * (1 - ratio * lr * wd) ** 5, rtol=1e-13
+    )
+    # The Muon matrix's zero momentum orthogonalizes to zero: decay at the Muon rate only.
+    np.testing.assert_allclose(x["w"], 2.0 * (1 - lr * wd) ** 5, rtol=1e-13)
+
+
+def test_fedmuon_bc_other_leaves_decay_at_their_rate():
+    # FedMuon-LMO's non-matrix leaves step at other_lr_ratio * eta: they decay at that rate too.
+    from fedorth import fed
+
+    lr, wd, ratio = 1e-3, 0.1, 10.0
+    params = {"w": jnp.full((4, 3), 2.0), "b": jnp.asarray([1.0, -2.0, 0.5])}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    alg = fed.get_algorithm("fedmuon_bc", {"name": "lmo", "weight_decay": wd}, other_lr_ratio=ratio)
+    tx = alg.local_tx
+    state = tx.init(params)
+    updates, _ = tx.update(zeros, state, params, learning_rate=lr, control_correction=zeros)
+    np.testing.assert_allclose(updates["b"], -ratio * lr * wd * np.asarray(params["b"]), rtol=1e-6)
+    np.testing.assert_allclose(updates["w"], -lr * wd * 2.0, rtol=1e-6)

@@ -210,6 +210,22 @@ def direction(name: str, **hparams) -> optax.GradientTransformation:
         raise ValueError(f"optim.name={name!r} with {hparams}: {message}") from e
 
 
+def decay_rates(name: str, weight_decay: float, hparams: Mapping[str, Any]) -> float | dict:
+    """The decoupled weight decay of optimizer ``name``: ``lambda`` for every leaf, or per group.
+
+    Each parameter group decays at its own rate, ``lr_group * lambda``, as in the authors' code
+    (FedPAC (Liu et al.) ``main_FedPAC.py``: the ``SingleDeviceMuonWithAuxAdam`` groups, each
+    with its own lr and ``weight_decay``; KellerJordan/Muon's ``MuonWithAuxAdam`` likewise).
+    Muon's fallback runs at ``fallback_lr_ratio * lr``, so its leaves (``matrix_labels`` "other")
+    decay with ``fallback_lr_ratio * lambda``: ``{"matrix": lambda, "other": ratio * lambda}``
+    for :func:`local_tx`. Any other optimizer has one group: ``lambda``.
+    """
+    ratio = float(hparams.get("fallback_lr_ratio", 1.0)) if name == "muon" else 1.0
+    if not weight_decay or ratio == 1.0:
+        return weight_decay
+    return {"matrix": weight_decay, "other": ratio * weight_decay}
+
+
 SCHEDULE_KEYS = ("learning_rate", "schedule", "warmup_rounds", "final_lr_ratio", "step_rounds")
 OPTIM_KEYS = ("name", "weight_decay", "ns_dtype", *SCHEDULE_KEYS)
 """``optim.*`` keys every optimizer takes (read by :func:`split_optim` and the round).
@@ -240,7 +256,7 @@ def split_optim(optim: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
 def local_tx(
     direction_tx: optax.GradientTransformation,
     *,
-    weight_decay: float = 0.0,
+    weight_decay: float | Mapping[str, float] = 0.0,
     mix_beta: float | None = None,
     pre: tuple[optax.GradientTransformation, ...] = (),
 ) -> optax.GradientTransformationExtraArgs:
@@ -248,16 +264,26 @@ def local_tx(
 
     Args:
       direction_tx: the optimizer's direction.
-      weight_decay: decoupled weight decay ``lambda`` (added after mixing, before the lr).
+      weight_decay: decoupled weight decay ``lambda`` (added after mixing, before the lr); a
+        mapping ``{"matrix": ..., "other": ...}`` decays the groups of :func:`matrix_labels`
+        each at its own rate (:func:`decay_rates`).
       mix_beta: if not None, mix with the global direction (``uses_global_direction``).
       pre: transforms applied to the gradient first (SCAFFOLD's control-variate correction).
     """
-    if weight_decay < 0:
+    rates = dict(weight_decay) if isinstance(weight_decay, Mapping) else {"all": weight_decay}
+    if any(rate < 0 for rate in rates.values()):
         raise ValueError(f"optim.weight_decay={weight_decay} must be >= 0.")
     parts = [*pre, direction_tx]
     if mix_beta is not None:
         parts.append(fed_optim.mix_with_global(mix_beta))
-    if weight_decay:
+    if isinstance(weight_decay, Mapping):
+        parts.append(
+            optax.partition(
+                {label: optax.add_decayed_weights(rate) for label, rate in rates.items()},
+                matrix_labels,
+            )
+        )
+    elif weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(fed_optim.scale_by_round_learning_rate())
     return optax.chain(*parts)

@@ -55,7 +55,9 @@ def fedavg(
             f"fed.client_state={client_state!r}; valid for {name}: ('reset', 'persistent')."
         )
     opt, weight_decay, hp = local.split_optim(optim)
-    tx = local.local_tx(local.direction(opt, **hp), weight_decay=weight_decay)
+    tx = local.local_tx(
+        local.direction(opt, **hp), weight_decay=local.decay_rates(opt, weight_decay, hp)
+    )
     paper = "McMahan et al. 2017; FedPAC (Liu et al.) Alg. 1 (FedSOA)"
     if client_state == "persistent" or server_rule == "partial":
         paper = "FedMuon-LMO (bias-corrected LMO) Alg. 3 (FedAvg) / Alg. 4 (LocalMuon)"

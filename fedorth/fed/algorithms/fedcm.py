@@ -21,7 +21,11 @@ def fedcm(optim: Mapping[str, Any], *, alpha: float = 0.1, server_lr: float = 1.
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
     opt, weight_decay, hp = local.split_optim(optim)
-    tx = local.local_tx(local.direction(opt, **hp), weight_decay=weight_decay, mix_beta=1.0 - alpha)
+    tx = local.local_tx(
+        local.direction(opt, **hp),
+        weight_decay=local.decay_rates(opt, weight_decay, hp),
+        mix_beta=1.0 - alpha,
+    )
     return FedAlgorithm(
         name="fedcm",
         local_tx=tx,

@@ -46,7 +46,7 @@ def fedmuon(
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(
         local.direction(opt, **hp),
-        weight_decay=weight_decay,
+        weight_decay=local.decay_rates(opt, weight_decay, hp),
         mix_beta=alpha if alpha > 0 else None,
     )
     return FedAlgorithm(

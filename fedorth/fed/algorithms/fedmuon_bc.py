@@ -14,7 +14,9 @@ Bias-Corrected LMO-based Optimization"), Alg. 1:
 
 Choices: ``M_i``, ``C_i`` and ``C`` start at zero. Non-matrix parameters (biases, norms) use
 momentum SGD with its own learning rate (Sec. 7: ``other_lr_ratio`` = that lr / eta), sharing the
-same momentum and control-variate correction, so that ``C_i = M_i`` holds for every leaf.
+same momentum and control-variate correction, so that ``C_i = M_i`` holds for every leaf; their
+decoupled weight decay is at that rate too, ``other_lr_ratio * lambda`` (each group at its own
+rate, as Local Muon's fallback).
 """
 
 from __future__ import annotations
@@ -61,7 +63,16 @@ def fedmuon_bc(
     )
     return FedAlgorithm(
         name="fedmuon_bc",
-        local_tx=local.local_tx(direction, weight_decay=weight_decay),
+        # Each group decays at its own rate (fedorth.fed.local.decay_rates): the non-matrix
+        # leaves step at other_lr_ratio * eta, so they decay with other_lr_ratio * lambda.
+        local_tx=local.local_tx(
+            direction,
+            weight_decay=(
+                {"matrix": weight_decay, "other": other_lr_ratio * weight_decay}
+                if weight_decay and other_lr_ratio != 1.0
+                else weight_decay
+            ),
+        ),
         client_state="persistent",
         control_variates="momentum",
         momentum_fn=lambda opt_state: opt_state[0][0].mu,

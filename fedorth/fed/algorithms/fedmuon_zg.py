@@ -36,7 +36,11 @@ leave almost no averaging (the momentum would forget 90% per step); (3) a litera
 makes M nearly the raw stochastic gradient, which would undo the heavy-tailed-noise argument both
 papers make for momentum. The same reading is used for every method of both papers' presets.
 
-Choices: non-matrix leaves take the normalized step ``m / ||m||_2`` (the spectral LMO of a vector);
+Choices: the leaves of Muon's default mask (``fedorth.optim.muon.default_muon_mask``, the mask of
+every Muon-based method: dense and conv kernels) take ``UV^T``; the others take the normalized
+step ``m / ||m||_F`` (the spectral LMO of a vector): biases, norm scales, degenerate ``(1, n)``
+views and lookup tables (the RNN's 20000 x 300 word embedding, ViT's position embedding), which
+the paper does not discuss and the Muon reference keeps off Muon;
 the Newton-Schulz coefficients are ``optim.ns_coeffs`` (Jordan's by default); weight decay, absent
 from the box (§7 grid-searches it), is decoupled: ``X <- X - eta (UV^T + lambda X)``.
 """
@@ -70,7 +74,8 @@ def zg_muon_step(
 
     Args:
       beta: weight of the new gradient, in (0, 1].
-      direction: a stateless transform giving ``dir(M)`` (``scale_by_lmo``: ``UV^T``).
+      direction: a transform giving ``dir(M)`` from a fresh state (``UV^T`` on Muon's matrices,
+        ``m / ||m||_F`` on the other leaves).
       weight_decay: decoupled ``lambda >= 0``.
 
     Returns:
@@ -129,11 +134,18 @@ def fedmuon_zg(optim: Mapping[str, Any], *, beta: float = 0.1) -> FedAlgorithm:
         raise ValueError(f"optim.weight_decay={weight_decay} must be >= 0.")
     from fedorth.optim.muon import scale_by_lmo
 
-    direction = scale_by_lmo(
-        "spectral",
-        ns_steps=hp.pop("ns_steps", 5),
-        ns_coeffs=hp.pop("ns_coeffs", "jordan"),
-        ns_dtype=hp.pop("ns_dtype", None),
+    # Muon's mask (module docstring): UV^T on its matrices, m / ||m||_F on the other leaves.
+    direction = optax.partition(
+        {
+            "matrix": scale_by_lmo(
+                "spectral",
+                ns_steps=hp.pop("ns_steps", 5),
+                ns_coeffs=hp.pop("ns_coeffs", "jordan"),
+                ns_dtype=hp.pop("ns_dtype", None),
+            ),
+            "other": scale_by_lmo("frobenius"),
+        },
+        local.matrix_labels,
     )
     return FedAlgorithm(
         name="fedmuon_zg",

@@ -94,7 +94,7 @@ def fedpac(
         )
     tx = local.local_tx(
         local.direction(opt, **hp),
-        weight_decay=weight_decay,
+        weight_decay=local.decay_rates(opt, weight_decay, hp),
         mix_beta=beta if beta > 0 else None,
     )
     return FedAlgorithm(

@@ -41,11 +41,13 @@ Choices where the seed is silent or ambiguous (stated once here, repeated where 
 * ``||u||`` is the Euclidean norm of the **whole** primal vector (all primal leaves together; the
   seed's ``x`` is one vector) and ``||v||`` of the whole dual vector (``norm_scope="variable"``);
   ``norm_scope="leaf"`` normalizes each leaf on its own (layer-wise). ``u = 0`` gives a zero step.
-* FedMuon-DA orthogonalizes every leaf of rank >= 2 (conv kernels as ``(prod(shape[:-1]),
-  shape[-1])`` matrices, embeddings included: the seed's matrix variant makes no exception), with
-  ``ns_steps`` Newton-Schulz steps (default 5, Jordan's coefficients; ``"classic"`` coefficients
-  converge to the exact ``P Q^T``); the other leaves take the normalized step of Alg. 1 (grouped
-  by variable as above).
+* FedMuon-DA orthogonalizes the leaves of Muon's default mask
+  (``fedorth.optim.muon.default_muon_mask``, the mask of every Muon-based method: dense and conv
+  kernels as ``(prod(shape[:-1]), shape[-1])`` matrices; not lookup tables such as embeddings,
+  nor degenerate ``(1, n)`` views; the paper is silent on them), with ``ns_steps`` Newton-Schulz
+  steps (default 5, Jordan's coefficients; ``"classic"`` coefficients converge to the exact
+  ``P Q^T``); the other leaves, tables included, take the normalized step of Alg. 1 (grouped by
+  variable as above).
 * ``u_{-1} = v_{-1} = 0`` and ``g_{-1} = g_{-1}^(n) = 0`` (the boxes give no initialization).
 * Under partial participation (``S < N``, outside the seed's analysis) ``g`` is the engine's
   SCAFFOLD-style running average over all clients' last ``g^(n)`` and the global momentum uses
@@ -209,17 +211,23 @@ def minimax_momentum(
     return optax.GradientTransformationExtraArgs(lambda params: fed_optim.EmptyState(), update_fn)
 
 
+def _muon_leaves(tree: PyTree) -> list:
+    """Per leaf of ``tree``: whether Muon orthogonalizes it (``default_muon_mask``)."""
+    from fedorth.optim.muon import default_muon_mask
+
+    return jax.tree.leaves(default_muon_mask(tree))
+
+
 def _group_keys(label_fn: LabelFn, tree: PyTree, scope: str, *, split_matrices: bool) -> list:
     """One group key per leaf: the variable (and matrix/other when split), or the leaf index."""
     labels = jax.tree.leaves(label_fn(tree))
-    leaves = jax.tree.leaves(tree)
+    matrices = _muon_leaves(tree) if split_matrices else [False] * len(labels)
     keys = []
-    for index, (lab, leaf) in enumerate(zip(labels, leaves, strict=True)):
+    for index, (lab, matrix) in enumerate(zip(labels, matrices, strict=True)):
         if scope == "leaf":
             keys.append(index)
         else:
-            kind = "matrix" if split_matrices and jnp.ndim(leaf) >= 2 else "other"
-            keys.append((lab, kind))
+            keys.append((lab, "matrix" if matrix else "other"))
     return keys
 
 
@@ -265,13 +273,14 @@ def scale_by_minimax_step(
       d(u) = \begin{cases}
         u / \|u\| & \text{normalize (Fed minimax (Zhang & Gao) Alg. 1 line 6)} \\
         \min(1, \tau/\|u\|)\, u & \text{clip (Fed minimax (Zhang & Gao) Eq. 21, FedSGDA-Clip)} \\
-        P Q^\top,\ U = P \Sigma Q^\top & \text{muon on rank-}\ge 2\text{ leaves (Alg. 2/3)} \\
+        P Q^\top,\ U = P \Sigma Q^\top & \text{muon on Muon's matrices (Alg. 2/3)} \\
         u & \text{identity (SGDA)}
       \end{cases}
 
     Norms are taken per variable (all primal leaves together, all dual leaves together) with
-    ``norm_scope="variable"``, per leaf with ``"leaf"``. Under ``"muon"`` the non-matrix leaves
-    are normalized (grouped the same way among the non-matrix leaves). A zero ``u`` gives 0.
+    ``norm_scope="variable"``, per leaf with ``"leaf"``. Under ``"muon"`` the leaves of
+    ``default_muon_mask`` are orthogonalized and the others (vectors, lookup tables) normalized,
+    grouped the same way among themselves. A zero ``u`` gives 0.
 
     Args:
       label_fn: ``label_fn(tree)`` -> ``"primal"``/``"dual"`` per leaf.
@@ -304,9 +313,10 @@ def scale_by_minimax_step(
         leaves, treedef = jax.tree.flatten(updates)
         keys = _group_keys(label_fn, updates, norm_scope, split_matrices=step == "muon")
         norms = _group_norms(leaves, keys)
+        matrices = _muon_leaves(updates) if step == "muon" else [False] * len(leaves)
         out = []
-        for leaf, norm in zip(leaves, norms, strict=True):
-            if step == "muon" and leaf.ndim >= 2:
+        for leaf, norm, matrix in zip(leaves, norms, matrices, strict=True):
+            if matrix:
                 out.append(_orthogonalize(leaf, int(ns_steps), ns_coeffs, ns_dtype))
             elif step == "clip":
                 factor = jnp.minimum(1.0, _safe_scale(norm, tau))

@@ -93,7 +93,9 @@ def scaffold(
             "momentum_fn": running_mean_of,
             **_round_counter(),
         }
-    tx = local.local_tx(local.direction(opt, **hp), weight_decay=weight_decay, pre=pre)
+    tx = local.local_tx(
+        local.direction(opt, **hp), weight_decay=local.decay_rates(opt, weight_decay, hp), pre=pre
+    )
     return FedAlgorithm(
         name="scaffold",
         local_tx=tx,
