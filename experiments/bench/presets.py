@@ -32,7 +32,7 @@ def _find(rows, impl, workload, algorithm="fedavg", dtype="float32", batch=50):
 
 
 def targets_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 22's targets from the rows of `--preset targets` (None where a row is missing)."""
+    """The GPU targets from the rows of `--preset targets` (None where a row is missing)."""
 
     def ratio(a, b, key="round_s"):
         return None if a is None or b is None else a[key] / b[key]

@@ -20,8 +20,8 @@ of 64 examples, mini-batches of B drawn with replacement):
 * ``fedorth``: one jitted ``make_round_fn`` call per round, one row per (strategy, conv_impl,
   unroll) asked for;
 * ``jax_loop``: Python loops over the sampled clients and their local steps around one jitted
-  local step (the "JAX per-step loop" baseline; same math, same keys; XLA's own convolution,
-  which is fastest there);
+  local step (the "JAX per-step loop" baseline, experiments/bench/jax_loop.py: the engine's
+  algorithm, state and keys; XLA's own convolution, which is fastest there);
 * ``torch``: the PyTorch peer (benchmarks/torch_peer.py), clients in a Python loop, with
   ``torch.set_num_threads`` equal to the cores JAX uses; ``torch_amp``: the same peer in
   channels_last + bfloat16 autocast (what a performance-minded PyTorch user writes).
@@ -37,9 +37,9 @@ one runs), and nothing new starts once the budget is spent. The JSON file is rew
 atomically after every case (``"complete": false`` until the end), so a run cut off keeps its
 rows. ``--isolate`` (default with ``--preset``) runs each row in its own process, killed when the
 budget is spent; the ratios of isolated rows are ratios of medians. ``--preset targets`` is
-issue 22's table: resnet18_cifar100 and vit_tiny at S = 10, K = 50, B = 50 (FedMuon (Liu et al.)
-Table 2), FedAvg in float32 and bfloat16 and FedPAC_Muon, the torch peer, and torch/torch_amp
-throughput at batch 500; it ends with the targets and whether each was met.
+the GPU targets' table: resnet18_cifar100 and vit_tiny at S = 10, K = 50, B = 50 (FedMuon
+(Liu et al.) Table 2), FedAvg in float32 and bfloat16 and FedPAC_Muon, the torch peer, and
+torch/torch_amp throughput at batch 500; it ends with the targets and whether each was met.
 
 Sections (experiments/bench/sections.py): ``--memory`` (persistent per-client state at
 N = 1000 and peak memory per strategy), ``--micro`` (the XLA:CPU traps: client-axis mean, a
@@ -237,7 +237,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=sorted(PRESETS),
         default=None,
         help="a fixed list of cases instead of --workloads x --algorithms x ...: 'targets' is "
-        "issue 22's GPU table (isolated rows)",
+        "the GPU targets' table (isolated rows)",
     )
     parser.add_argument(
         "--isolate",
@@ -465,7 +465,7 @@ def main(argv: list[str]) -> int:
     print(format_table(rows))
     if args.preset == "targets":
         table, result["targets"] = format_targets(targets_summary(rows))
-        print("\ntargets (issue 22):\n" + table)
+        print("\ntargets:\n" + table)
     save()
     if args.memory:
         clients = args.memory_clients

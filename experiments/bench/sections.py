@@ -163,8 +163,8 @@ def scaling_section(args) -> dict[str, Any]:
 
     `JAX_NUM_CPU_DEVICES` overrides `XLA_FLAGS`' forced count, and this process has it set
     (`experiments/__init__.py`), so the children get it explicitly and the forced count is
-    dropped; each child's JSON header must report the asked-for count (until session 7 both
-    children inherited 2 devices and the section compared 2 with 2).
+    dropped; each child's JSON header must report the asked-for count (a child that inherited the
+    parent's count would compare 2 devices with 2).
     """
     out = {}
     for devices in (1, 2):
