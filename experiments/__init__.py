@@ -12,9 +12,9 @@ settings they all need are made once here; an explicit value in the environment 
   `--xla_force_host_platform_device_count`). The round's `"auto"` strategy then lays clients over
   the devices (`fed.resolve_strategy`), each device running its clients one at a time: on the
   2-core machine 1.35-1.45x a one-device round for the CNN, 1.20x for ResNet-18 (convolutional
-  models; docs/PERFORMANCE.md "Session 6"). The data and server state are replicated on every
-  device used (host memory, once per device), which the cap of 8 bounds. Accelerator backends
-  are not affected. `JAX_NUM_CPU_DEVICES=1` opts out.
+  models; docs/PERFORMANCE.md "CPU: rounds against the PyTorch peer"). The data and server
+  state are replicated on every device used (host memory, once per device), which the cap of 8
+  bounds. Accelerator backends are not affected. `JAX_NUM_CPU_DEVICES=1` opts out.
 """
 
 import os

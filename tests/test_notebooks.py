@@ -4,7 +4,7 @@ bottom against the *installed wheel*, not the source tree.
 * Committed with outputs (plots visible when browsing the repository), ending with assertions.
 * The first cell installs fedorth only where it cannot be imported (Colab): from the project's
   address (setup.cfg's ``project_urls``, empty until it is published), else from a wheel
-  uploaded to the session's folder, else it stops with one sentence giving both ways.
+  uploaded to the notebook's folder, else it stops with one sentence giving both ways.
   ``FEDORTH_INSTALL_SOURCE`` in the environment overrides both (the tests). The cell and each
   notebook's "Open in Colab" link are written from the address by ``python
   tests/test_notebooks.py``; a test checks that they are.
@@ -64,8 +64,8 @@ def project_url() -> str:
 INSTALL_CELL = """\
 # Installs fedorth where it cannot be imported (Colab, a fresh kernel), from the first of: the
 # environment variable FEDORTH_INSTALL_SOURCE (anything pip installs); the project's address,
-# FEDORTH_URL, once it is published; a fedorth-*.whl uploaded to this session's folder (build
-# it in a checkout with `python -m build`, or `pip wheel --no-deps -w dist .`).
+# FEDORTH_URL, once it is published; a fedorth-*.whl uploaded to the notebook's folder (Colab:
+# /content; build it in a checkout with `python -m build`, or `pip wheel --no-deps -w dist .`).
 import glob
 import importlib.util
 import os
@@ -83,7 +83,7 @@ if importlib.util.find_spec("fedorth") is None:
     if source is None:
         raise RuntimeError(
             "fedorth is not installed here: upload the wheel that `python -m build` makes in a "
-            "checkout of fedorth (dist/fedorth-*.whl) to this session's folder, or set "
+            "checkout of fedorth (dist/fedorth-*.whl) to the notebook's folder, or set "
             "FEDORTH_URL to the project's address, and run this cell again."
         )
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", source])"""
@@ -305,7 +305,7 @@ def test_wheel_runs_every_notebook(tmp_path):
     )
     run_dir = tmp_path / "run"  # not the repository: `import fedorth` cannot find the sources
     run_dir.mkdir()
-    uploaded = run_dir / wheel.name  # a wheel uploaded to the session's folder
+    uploaded = run_dir / wheel.name  # a wheel uploaded to the notebook's folder
     uploaded.write_bytes(wheel.read_bytes())
     env = {
         k: v
