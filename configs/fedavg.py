@@ -21,7 +21,11 @@ Presets (configs/presets.py describes each setting):
   FedMuon (Liu et al.) Sec. 7 gives only the grid {1e-2, 3e-2, 5e-2, 1e-1, 3e-1}, wd 0.001):
   FedMuon (Liu et al.) Table 3 ``swin_t_{cifar100,tiny_imagenet}``, Table 4
   ``roberta_lora_{cola,rte,sst2,qqp,mrpc,qnli,mnli}``; FedPAC (Liu et al.) Table 2
-  ``vit_base_{cifar100,tiny_imagenet}``.
+  ``vit_base_{cifar100,tiny_imagenet}``;
+* FedMuon (Zhang & Gao) Sec. 7 ("the classical method, FedAvg"): ``fedmuon_zg_{cifar10,cifar100}_
+  {resnet18,vit}_tau{4,16}``, ``fedmuon_zg_sentiment140_rnn_tau{4,16}``,
+  ``fedmuon_zg_cifar10_resnet18_dir0.5_tau4``, plain SGD at lr 0.05 with weight decay 5e-4
+  (``presets.FEDMUON_ZG_SGD``: the paper grid-searches and reports no value).
 """
 
 from configs import base, presets
@@ -43,6 +47,7 @@ PRESETS = {
     ),
     **presets.fedmuon_liu_finetune_presets(presets.FEDMUON_LIU_FINETUNE_OPTIM["sgd"]),
     **presets.fedpac_finetune_presets(presets.FEDPAC_FINETUNE_OPTIM["sgd"]),
+    **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD),
 }
 
 

@@ -14,7 +14,7 @@ Presets: (default) embedded digits on 2 CPU cores; FedMuon (Zhang & Gao)'s setti
 FedMuon (Zhang & Gao) grid-searches every baseline's learning rate without reporting the chosen values and
 fixes "the momentum hyperparameters beta for all methods at 0.9": in the convention of Cheng et
 al. (``beta`` weighs the *new* gradient) that is ``beta = 0.1``. The learning rates of the
-seed-002 presets of this and the other seed-002 baselines' configs (fedavg_vr, scaffold_m,
+FedMuon (Zhang & Gao) presets of this and the other baselines' configs (fedavg_vr, scaffold_m,
 scaffold_vr, padamfed, padamfed_vr, fafed, adam_biclip) are our starting points, not the
 paper's.
 """

@@ -11,7 +11,7 @@ Presets: (default) embedded digits on 2 CPU cores; FedMuon (Zhang & Gao)'s setti
 
 The recursion feeds ``(1 - beta) g^r`` back every round and compares gradients a whole round
 apart, so small ``beta`` needs a small ``K eta``: on the digits default ``beta = 0.1`` with
-``eta = 0.1`` diverges, ``beta = 0.5`` learns. The seed-002 presets keep FedMuon (Zhang & Gao)'s momentum
+``eta = 0.1`` diverges, ``beta = 0.5`` learns. The FedMuon (Zhang & Gao) presets keep that paper's momentum
 (``beta = 0.1``) with a smaller ``eta`` (our choice; the paper does not report its grid's pick).
 """
 

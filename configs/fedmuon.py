@@ -88,6 +88,7 @@ def ablations(table_setting) -> dict[str, presets.Preset]:
 
 
 PRESETS = {
+    "muon_reference": presets.muon_reference(0.98),
     **_FEDMUON_LIU,
     **{  # Alg. 2 line 8: UV^T of an exact SVD
         f"{name}_exactsvd": presets.variant(preset, optim={"orthogonalizer": "svd"})
@@ -112,7 +113,7 @@ def get_config(arg: str | None = None):
     config.fed.algorithm = "fedmuon"
     config.fed.options.alpha = 0.5  # local-global alignment weight on Delta_G
     config.fed.options.momentum_aggregation = True  # clients start from the averaged momentum
-    config.optim.name = "muon"
-    config.optim.learning_rate = 0.02  # base: 0.05
-    config.optim.beta = 0.98  # momentum (FedMuon (Liu et al.) Table 6's best)
+    # Alg. 2's Muon at lr 0.02 (base: 0.05): M = 0.98 M + G (Table 6's best), no Nesterov, no
+    # shape factor, weight decay 0.01, AdamW at the default AdamW rate on biases and norms.
+    presets.set_optim(config, presets.default_muon("fedmuon_liu", 0.02))
     return presets.select(config, arg, PRESETS, "fedmuon")

@@ -22,6 +22,7 @@ _FEDMUON_LIU = presets.fedmuon_liu_presets(
 )
 
 PRESETS = {
+    "muon_reference": presets.muon_reference(0.9),
     **_FEDMUON_LIU,
     **{
         f"fedmuon_liu_table7_{short}_agg_m_svd": _FEDMUON_LIU[
@@ -40,7 +41,6 @@ def get_config(arg: str | None = None):
     config.checkpoint_every = 10  # base: 20
     config.fed.options.alpha = 0.5  # local-global alignment weight
     config.fed.options.svd_ratio = 0.05  # rank kept when uploading the momentum
-    config.optim.name = "muon"
-    config.optim.learning_rate = 0.02  # base: 0.05
-    config.optim.beta = 0.9  # momentum (0.98 learns slower in 30 rounds)
+    # FedMuon's Muon (configs/fedmuon.py): Alg. 2 at lr 0.02, M = 0.98 M + G.
+    presets.set_optim(config, presets.default_muon("fedmuon_liu", 0.02))
     return presets.select(config, arg, PRESETS, "fedmuon_svd")

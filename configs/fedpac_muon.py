@@ -27,6 +27,7 @@ biases and norms.
 from configs import base, presets
 
 PRESETS = {
+    "muon_reference": presets.muon_reference(0.9),
     **presets.fedpac_presets(presets.FEDPAC_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"}),
     # FedPAC (Liu et al.) Table 2 with Table 9's row: lr 1e-2, beta1 0.9, wd 0.01, beta 0.5.
     **presets.fedpac_finetune_presets(
@@ -40,9 +41,9 @@ def get_config(arg: str | None = None):
     config.fed.algorithm = "fedpac_muon"
     config.fed.options.beta = 0.5  # correction weight of g_G
     config.fed.options.aligned = "theta"  # Alg. 2: align Theta only; "state": whole state
-    config.optim.name = "muon"
-    config.optim.learning_rate = 0.02  # base: 0.05
-    config.optim.beta = 0.9  # Muon momentum (Table 8's beta1)
+    # Alg. 7's Muon at lr 0.02 (base: 0.05): EMA momentum 0.9 (Table 8's beta1), no Nesterov,
+    # no shape factor, weight decay 0.01, AdamW at the default AdamW rate on biases and norms.
+    presets.set_optim(config, presets.default_muon("fedpac", 0.02))
     # One batched Newton–Schulz per group of equal-shape matrices (fedorth.optim.muon.
     # orthogonalize_tree): same directions; slower on CPU, for accelerators (docs/PERFORMANCE.md).
     config.optim.group_shapes = False

@@ -13,7 +13,10 @@ Presets: those of configs/fedpac_muon.py (Tables 1/3/12/13, Table 8/10 values, i
 
 from configs import fedpac_muon, presets
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"})
+PRESETS = {
+    "muon_reference": presets.muon_reference(0.9),
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"}),
+}
 
 
 def get_config(arg: str | None = None):

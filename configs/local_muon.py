@@ -69,6 +69,7 @@ _FEDMUON_LIU = presets.fedmuon_liu_presets(
 )
 
 PRESETS = {
+    "muon_reference": presets.muon_reference(0.95),
     **presets.fedpac_presets(_MUON),
     **_FEDMUON_LIU,
     **{  # FedMuon (Liu et al.) Alg. 2 line 8: UV^T of an exact SVD
@@ -99,11 +100,10 @@ PRESETS = {
 def get_config(arg: str | None = None):
     config = base.get_base_config()
     config.fed.algorithm = "local_muon"
-    config.optim.name = "muon"
-    config.optim.learning_rate = 0.05  # base: 0.05 (kept)
-    config.optim.beta = 0.95  # Muon momentum (Nesterov)
+    # FedPAC (Liu et al.) Alg. 6 at lr 0.05 (base: 0.05, kept): EMA momentum 0.9, no Nesterov,
+    # no shape factor, weight decay 0.01, AdamW at the default AdamW rate on biases and norms.
+    presets.set_optim(config, presets.default_muon("fedpac", 0.05))
     # One batched Newton–Schulz per group of equal-shape matrices (fedorth.optim.muon.
     # orthogonalize_tree): same directions; slower on CPU, for accelerators (docs/PERFORMANCE.md).
     config.optim.group_shapes = False
-    config.optim.fallback_lr_ratio = 1.0  # Adam on biases at the same lr
     return presets.select(config, arg, PRESETS, "local_muon")

@@ -205,6 +205,55 @@ FEDMUON_LMO_ORTHOGONALIZATION_CLASSIC: dict[str, Any] = {
 # with momentum SGD or Adam, whose state we keep per client as Alg. 4 does.
 FEDMUON_LMO_TABLE_OPTIONS: dict[str, Any] = {"client_state": "persistent", "server_rule": "partial"}
 
+# ------------------------------------------------------ default (embedded-data) configs
+
+# The AdamW rate of the default configs (configs/local_adamw.py): the rate of the non-matrix
+# leaves of the default Muon configs, by the rule above (AdamW at the same setting's AdamW rate).
+DEFAULT_ADAMW_LR = 0.003
+
+
+def default_muon(box: str, learning_rate: float) -> dict[str, Any]:
+    """The Muon of a default (embedded-data) config: its paper's box at ``learning_rate``.
+
+    ``box``: ``"fedpac"`` (FedPAC (Liu et al.) Alg. 6/7, :data:`FEDPAC_OPTIM`: EMA momentum
+    0.9, no Nesterov, no shape factor) or ``"fedmuon_liu"`` (FedMuon (Liu et al.) Alg. 2,
+    :func:`fedmuon_liu_muon`: ``M = 0.98 M + G``, no shape factor); Jordan's quintic, weight
+    decay 0.01 (the boxes' ``lambda x``, each group at its own rate), and AdamW at
+    :data:`DEFAULT_ADAMW_LR` with (0.9, 0.999) on the other leaves (:func:`muon_fallback`).
+    The previous default form is the ``muon_reference`` preset (:func:`muon_reference`).
+    """
+    if box == "fedpac":
+        optim = {**FEDPAC_OPTIM["muon"], "learning_rate": learning_rate}
+        return {**optim, **muon_fallback(learning_rate, DEFAULT_ADAMW_LR)}
+    if box == "fedmuon_liu":
+        return fedmuon_liu_muon(learning_rate, DEFAULT_ADAMW_LR)
+    raise ValueError(f"box={box!r}; valid: ('fedpac', 'fedmuon_liu').")
+
+
+def muon_reference(beta: float) -> Preset:
+    """The ``muon_reference`` preset of a default Muon config: Keller Jordan's Muon step.
+
+    Heavy-ball momentum ``M <- beta M + g`` with Nesterov's step ``g + beta M``, the factor
+    ``sqrt(max(1, fan_out / fan_in))`` (``shape_scaling="jordan"``), Jordan's quintic, no weight
+    decay, and Adam (0.9, 0.999, eps 1e-8) at the Muon rate on the other leaves (the Muon
+    reference's auxiliary Adam has its own rate, b2 = 0.95, eps = 1e-10): the default configs'
+    form before they ran their papers' boxes, kept by name so that its runs can be repeated.
+    Only the optimizer changes: the embedded-data setting stays the default's.
+    """
+    optim = {
+        "beta": beta,
+        "nesterov": True,
+        "ema": False,
+        **NS,
+        "shape_scaling": "jordan",
+        "fallback_lr_ratio": 1.0,
+        "fallback_b1": 0.9,
+        "fallback_b2": 0.999,
+        "weight_decay": 0.0,
+    }
+    return variant(lambda config: config, optim=optim)
+
+
 # ------------------------------------------------------------ fine-tuning from checkpoints
 
 # Hugging Face names of the checkpoints the fine-tuning presets start from (``model.pretrained``:
@@ -662,6 +711,12 @@ def fedmuon_lmo_presets(
             fedmuon_lmo(dataset, beta), optim, opts
         )
     return out
+
+
+# FedMuon (Zhang & Gao) Sec. 7 grid-searches every baseline's learning rate and reports none: the
+# local SGD of its FedAvg, SCAFFOLD and FedAdam presets is the starting point of its other
+# SGD-based baselines (configs/fedavg_m.py: lr 0.05, weight decay 5e-4), not the paper's value.
+FEDMUON_ZG_SGD: dict[str, Any] = {"name": "sgd", "learning_rate": 0.05, "weight_decay": 5e-4}
 
 
 def fedmuon_zg_presets(

@@ -22,6 +22,11 @@ Fine-tuning (docs/FINETUNING.md), SGD lr 0.1, weight decay 0.001 (FedPAC (Liu et
 FedMuon (Liu et al.) Sec. 7 gives a grid only): FedMuon (Liu et al.) Table 3
 ``swin_t_{cifar100,tiny_imagenet}`` and Table 4 ``roberta_lora_{cola,rte,sst2,qqp,mrpc,qnli,mnli}``;
 FedPAC (Liu et al.) Table 2 ``vit_base_{cifar100,tiny_imagenet}``.
+
+FedMuon (Zhang & Gao) Sec. 7 (SCAFFOLD among its control-variate baselines):
+``fedmuon_zg_{cifar10,cifar100}_{resnet18,vit}_tau{4,16}``, ``fedmuon_zg_sentiment140_rnn_tau{4,16}``,
+``fedmuon_zg_cifar10_resnet18_dir0.5_tau4``, plain SGD at lr 0.05 with weight decay 5e-4 and server
+lr 1 (``presets.FEDMUON_ZG_SGD``: the paper grid-searches and reports no value).
 """
 
 from configs import base, presets
@@ -44,6 +49,7 @@ PRESETS = {
     ),
     **presets.fedmuon_liu_finetune_presets(presets.FEDMUON_LIU_FINETUNE_OPTIM["sgd"]),
     **presets.fedpac_finetune_presets(presets.FEDPAC_FINETUNE_OPTIM["sgd"]),
+    **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD),
 }
 
 

@@ -634,8 +634,13 @@ def test_lmo_paper_non_matrix_leaves_follow_one_rule(preset):
 
 # ------------------------------------------------------------------ FedMuon (Zhang & Gao)
 
+# Sec. 7, "Experiment Settings": FedAvg; SCAFFOLD, FedAvg-M/-VR, SCAFFOLD-M/-VR; PAdaMFed(-VR);
+# FedAdam, FAFED, Adam-BiClip.
 ZG_COMPARED = [
     "fedmuon_zg",
+    "fedavg",
+    "scaffold",
+    "fedadam",
     "fedavg_m",
     "fedavg_vr",
     "scaffold_m",
