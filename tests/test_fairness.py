@@ -840,3 +840,38 @@ def test_every_muon_method_orthogonalizes_the_leaves_of_one_mask():
             [d["embed"]["embedding"], d["dense"]["bias"], d["cls"]], others, strict=True
         ):
             np.testing.assert_allclose(got, g / norm, rtol=1e-10)
+
+
+# ----------------------------------------- the default (embedded-data) configs run the boxes
+
+# Each default Muon config runs the Muon of the paper it comes from: FedPAC (Liu et al.) Alg. 6/7
+# for Local Muon and FedPAC_Muon(_light), FedMuon (Liu et al.) Alg. 2 for FedMuon(_SVD); the
+# previous form (Nesterov, Jordan's factor, Adam at the Muon rate) is the muon_reference preset.
+DEFAULT_BOXES = {
+    "local_muon": "cifar100_vit",
+    "fedpac_muon": "cifar100_vit",
+    "fedpac_muon_light": "cifar100_vit",
+    "fedmuon": "fedmuon_liu_cifar100_vit_dir0.1",
+    "fedmuon_svd": "fedmuon_liu_cifar100_vit_dir0.1",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_BOXES))
+def test_default_muon_configs_run_their_papers_box(name):
+    """The default config's Muon has the momentum form, orthogonalization and weight decay of
+    its paper's preset, and the fallback rule (AdamW (0.9, 0.999) at the AdamW rate of the
+    default configs, configs/local_adamw.py); ``muon_reference`` keeps the previous form."""
+    default, paper = load(name).get_config(), load(name).get_config(DEFAULT_BOXES[name])
+    assert momentum_form(default) == momentum_form(paper)
+    assert orthogonalization(default) == orthogonalization(paper)
+    assert default.optim.weight_decay == paper.optim.weight_decay == 0.01
+    adamw_lr = load("local_adamw").get_config().optim.learning_rate
+    rule = fallback_rule(default)
+    assert rule["rule"] == "adam" and (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.999, 1e-8)
+    assert math.isclose(rule["learning_rate"], adamw_lr, rel_tol=1e-12), rule
+    reference = load(name).get_config("muon_reference")
+    assert momentum_form(reference)["nesterov"] is True
+    assert orthogonalization(reference)["shape_scaling"] == "jordan"
+    assert fallback_rule(reference)["learning_rate"] == reference.optim.learning_rate
+    assert reference.optim.weight_decay == 0.0
+    assert momentum_form(reference)["beta"] == {"local_muon": 0.95, "fedmuon": 0.98}.get(name, 0.9)
