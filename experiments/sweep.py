@@ -1,0 +1,105 @@
+r"""Runs a grid of seeds and hyperparameters of one config as one compiled program.
+
+    python -m experiments.sweep --config=fedavg --workdir=runs/fedavg_sweep \
+        --sweep.seed=42,43,44 --sweep.optim.learning_rate=0.03,0.1
+    python -m experiments.sweep --config=fedpac_soap:cifar100_resnet18 --workdir=runs/s \
+        --sweep.seed=42,43,44,45,46 --replica_strategy=vmap --replica_chunk_size=4
+
+Each ``--sweep.KEY=v1,v2,...`` names a config key and its values (or the config file gives a
+``sweep`` section with the same keys, e.g. ``config.sweep.seed = (42, 43)``; the command line
+wins); the replicas are the product of the value lists. ``seed`` and ``data.alpha`` build each
+replica's data and initial state; float hyperparameters of ``optim`` and ``fed.options`` enter
+the compiled round as arrays (``fedorth.sweep``). ``--config.*`` overrides set the base config
+as for ``experiments.main``.
+
+Each replica writes an ordinary run folder ``WORKDIR/KEY=VALUE,.../`` (``config.json``,
+``metrics.jsonl``, ``curves.png``, TensorBoard), so ``python -m experiments.report WORKDIR``
+reads the sweep like separate runs; the sweep checkpoints all replicas as one
+(``WORKDIR/checkpoints``) and the same command resumes it. ``--replica_strategy``: ``auto``
+(sequential on CPU, vmap on accelerators), ``sequential`` (one compiled round, run once per
+replica) or ``vmap``; ``--replica_chunk_size`` bounds the replicas vmapped at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments.catalog import ConfigArgumentError, resolve_config_argv
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Folder of the sweep (one run folder per replica).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard another sweep in --workdir.")
+_STRATEGY = flags.DEFINE_enum(
+    "replica_strategy",
+    "auto",
+    ["auto", "sequential", "vmap"],
+    "How replicas run: auto (sequential on CPU, vmap on accelerators), sequential, vmap.",
+)
+_CHUNK = flags.DEFINE_integer(
+    "replica_chunk_size", 0, "Replicas vmapped at once (0: all); lower it if memory runs out."
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+_GRID: dict[str, str] = {}
+
+
+def flags_parser(argv: list[str]) -> list[str]:
+    """Takes the ``--sweep.*`` grid out of ``argv``, resolves ``--config``, parses the flags."""
+    from fedorth.sweep.grid import SweepError, parse_sweep_argv
+
+    try:
+        argv, grid = parse_sweep_argv(argv)
+        argv = resolve_config_argv(argv)
+    except (SweepError, ConfigArgumentError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _GRID.update(grid)
+    from fedorth import train
+
+    return train.flags_parser(argv)
+
+
+def main(argv):
+    from fedorth import train
+    from fedorth.sweep import Grid, SweepError
+    from fedorth.sweep.grid import config_section
+    from fedorth.sweep.runner import run_sweep
+    from fedorth.train import validate
+
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    config = _CONFIG.value
+    values = dict(config_section(config))
+    if "sweep" in config:
+        with config.unlocked():
+            del config["sweep"]
+    values.update(_GRID)
+    overrides = config_flags.get_override_values(flags.FLAGS["config"])
+    dropped = validate.drop_foreign_keys(config, overrides)
+    for note in validate.switch_notes(config, dropped):
+        print(note, file=sys.stderr)
+    try:
+        grid = Grid(config, values)
+        run_sweep(
+            config,
+            grid,
+            _WORKDIR.value,
+            replica_strategy=_STRATEGY.value,
+            replica_chunk_size=_CHUNK.value,
+            overwrite=_OVERWRITE.value,
+        )
+    except (SweepError, *train.USER_ERRORS) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, SweepError | train.ConfigError) else 1)
+    except KeyboardInterrupt as e:
+        print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=flags_parser)

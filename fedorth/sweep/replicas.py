@@ -1,0 +1,371 @@
+"""R runs of one algorithm as one compiled round over a replica axis.
+
+Each replica is built exactly as its single run (``fedorth.train.builders.build`` of its
+config: its seed's model init, data partition and server key), so a replica is that run: the
+same client samples, mini-batches and dropout, round after round. Its traced hyperparameters
+(:mod:`fedorth.sweep.grid`) enter the round as float arrays: inside the compiled function the
+algorithm and the round are built from them (``fed.get_algorithm``, ``fed.make_round_fn``), so
+one compilation serves every value.
+
+Replica strategies (``replica_strategy``), like the clients' (``fed.strategy``):
+
+* ``"sequential"``: one compiled round, called once per replica. On the CPU backend this is
+  what ``"auto"`` picks: XLA:CPU runs one replica's products on all cores, and vmapped
+  convolutions become grouped ones, which it runs slowly (docs/PERFORMANCE.md).
+* ``"vmap"``: ``jax.vmap`` over replicas (``"auto"`` on accelerators, where one run of a small
+  model leaves the device idle), in chunks of ``replica_chunk_size`` replicas (0: all) to bound
+  memory; a last chunk that is short is filled with copies of its last replica, so every chunk
+  runs the same compiled round.
+
+With ``"sequential"`` a replica's numbers are bit for bit those of its single run; vmapped,
+they agree to float32 rounding (batched products may sum in another order).
+
+The data of the replicas is one argument: a leaf every replica has equal (the examples) is
+passed once, a leaf that differs (the clients' index rows of another seed's partition) is
+stacked over replicas. Index rows are padded to the longest client of all replicas; a client's
+mini-batches draw positions below its own size only (``fedorth.data.sample_batch``), so padding
+changes no batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedorth import fed
+from fedorth.sweep.grid import SweepError, replica_name, set_key
+from fedorth.train import builders
+
+PyTree = Any
+
+REPLICA_STRATEGIES = ("auto", "sequential", "vmap")
+
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def resolve_replica_strategy(strategy: str) -> str:
+    """The replica strategy ``"auto"`` stands for: ``"sequential"`` on CPU, else ``"vmap"``."""
+    if strategy not in REPLICA_STRATEGIES:
+        raise SweepError(f"--replica_strategy={strategy!r}; valid: {REPLICA_STRATEGIES}.")
+    if strategy != "auto":
+        return strategy
+    return "sequential" if jax.default_backend() == "cpu" else "vmap"
+
+
+class _Section(dict):
+    """A dict read like a ConfigDict section (``optim.learning_rate``, ``optim.get``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _to_dict(section) -> dict[str, Any]:
+    return {} if section is None else section.to_dict()
+
+
+def _pad_index(data, width: int):
+    pad = width - data.client_index.shape[1]
+    if pad == 0:
+        return data
+    return data.replace(client_index=jnp.pad(data.client_index, ((0, 0), (0, pad))))
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if getattr(a, "shape", None) != getattr(b, "shape", None) or a.dtype != b.dtype:
+        return False
+    return bool(jnp.array_equal(a, b))
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+@dataclasses.dataclass
+class Replica:
+    """One replica: its grid values, its single run's config and built experiment."""
+
+    name: str
+    values: dict[str, Any]
+    config: ml_collections.ConfigDict
+    experiment: builders.Experiment
+
+
+class ReplicaRound:
+    """The round of R replicas: ``states = replica_round(states)``; states are per unit.
+
+    A unit is one replica (``"sequential"``) or one chunk of replicas stacked on a leading axis
+    (``"vmap"``). :meth:`initial_states` gives the units' round-0 states, :meth:`stack` and
+    :meth:`unstack` convert between units and one ``[R, ...]`` state (the checkpoint), and
+    :meth:`replica_state` reads one replica's state out of the units.
+
+    Args:
+      config: the base config (``fed.rounds``, the algorithm, the model...).
+      replicas: one ``{key: value}`` per replica (``Grid.replicas``).
+      traced_keys: the keys passed to the round as arrays (``Grid.traced_keys``).
+      names: the replicas' names (their folders).
+      strategy: one of :data:`REPLICA_STRATEGIES`.
+      chunk_size: replicas per vmapped chunk (0: all at once).
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[ml_collections.ConfigDict],
+        replicas: Sequence[Mapping[str, Any]],
+        traced_keys: Sequence[str],
+        names: Sequence[str],
+        *,
+        strategy: str = "auto",
+        chunk_size: int = 0,
+    ):
+        if chunk_size < 0:
+            raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
+        self.strategy = resolve_replica_strategy(strategy)
+        self.traced_keys = list(traced_keys)
+        self.replicas: list[Replica] = []
+        for name, values, config in zip(names, replicas, configs, strict=True):
+            self.replicas.append(Replica(name, dict(values), config, builders.build(config)))
+        first = self.replicas[0].experiment
+        self.config = first.config
+        self.model = first.model
+        self.batch_fn = builders.make_batch_fn(first.config)
+        servers = [builders.init_server(r.experiment) for r in self.replicas]
+        # The clients' strategy: fed.strategy "auto" on one accelerator times the candidates on
+        # the first replica's round (fed.MeasuredRoundFn); the replicas all run the choice.
+        first.round_fn.select(servers[0], first.data)
+        self.client_strategy = first.round_fn.strategy
+        self.selection = first.round_fn.selection
+        self.round_config = dataclasses.replace(first.round_config, strategy=self.client_strategy)
+        self._initial = servers
+        self._prepare_data()
+        dtype = jnp.result_type(float)
+        self.values = {
+            key: np.asarray([r.values[key] for r in self.replicas], dtype) for key in traced_keys
+        }
+        count = len(self.replicas)
+        self.chunk_size = count if self.strategy == "sequential" else (chunk_size or count)
+        self.chunk_size = min(self.chunk_size, count)
+        if self.strategy == "sequential":
+            self.units = [[i] for i in range(count)]
+            self._step = jax.jit(self._body, donate_argnums=(0,))
+        else:
+            size = self.chunk_size
+            self.units = []
+            for start in range(0, count, size):
+                unit = list(range(start, min(start + size, count)))
+                self.units.append(unit + [unit[-1]] * (size - len(unit)))
+            axes = jax.tree.map(lambda shared: None if shared else 0, self._data_shared)
+            self._step = jax.jit(jax.vmap(self._body, in_axes=(0, axes, 0)), donate_argnums=(0,))
+        self.check_traceable()
+
+    @classmethod
+    def from_grid(cls, grid, *, strategy: str = "auto", chunk_size: int = 0) -> ReplicaRound:
+        """The replicas of a :class:`fedorth.sweep.Grid`, named by :func:`replica_name`."""
+        replicas = grid.replicas()
+        return cls(
+            [grid.replica_config(values) for values in replicas],
+            replicas,
+            grid.traced_keys,
+            [replica_name(values) for values in replicas],
+            strategy=strategy,
+            chunk_size=chunk_size,
+        )
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _prepare_data(self) -> None:
+        """Pads the index rows to one width and marks the leaves every replica has equal."""
+        width = max(r.experiment.data.client_index.shape[1] for r in self.replicas)
+        datas = [_pad_index(r.experiment.data, width) for r in self.replicas]
+        first = datas[0]
+        leaves0, treedef = jax.tree.flatten(first)
+        shared = [True] * len(leaves0)
+        for data in datas[1:]:
+            for i, (a, b) in enumerate(zip(leaves0, jax.tree.leaves(data), strict=True)):
+                shared[i] = shared[i] and _same(a, b)
+        self._data_shared = jax.tree.unflatten(treedef, shared)
+        # Equal leaves are kept once (the first replica's arrays).
+        self._datas = [
+            jax.tree.unflatten(
+                treedef,
+                [
+                    a if s else b
+                    for a, b, s in zip(leaves0, jax.tree.leaves(d), shared, strict=True)
+                ],
+            )
+            for d in datas
+        ]
+        for replica, data in zip(self.replicas, self._datas, strict=True):
+            replica.experiment.data = data
+        self._test_shared = _same(first.x_test, datas[-1].x_test) and all(
+            _same(first.x_test, d.x_test) and _same(first.y_test, d.y_test) for d in datas
+        )
+
+    def _unit_data(self, unit: list[int]):
+        if self.strategy == "sequential":
+            return self._datas[unit[0]]
+        leaves = [jax.tree.leaves(self._datas[i]) for i in unit]
+        shared = jax.tree.leaves(self._data_shared)
+        stacked = [
+            leaves[0][j] if shared[j] else jnp.stack([ls[j] for ls in leaves])
+            for j in range(len(shared))
+        ]
+        return jax.tree.unflatten(jax.tree.structure(self._datas[0]), stacked)
+
+    # -- the traced round ---------------------------------------------------------------------
+
+    def _body(self, server, data, values: Mapping[str, jax.Array]):
+        """One replica's round, its algorithm and learning rate built from ``values``."""
+        optim = _to_dict(self.config.optim)
+        options = _to_dict(self.config.fed.get("options"))
+        tree = {"optim": optim, "fed": {"options": options}}
+        for key, value in values.items():
+            set_key(tree, key, value)
+        algorithm = fed.get_algorithm(self.config.fed.algorithm, optim, **options)
+        learning_rate = self.round_config.learning_rate
+        if "optim.learning_rate" in values:
+            learning_rate = builders.learning_rate_schedule(
+                _Section(optim), int(self.config.fed.rounds)
+            )
+            if not callable(learning_rate):
+                learning_rate = _constant(learning_rate)
+        round_config = dataclasses.replace(self.round_config, learning_rate=learning_rate)
+        round_fn = fed.make_round_fn(algorithm, self.model.loss_fn, self.batch_fn, round_config)
+        return round_fn(server, data)
+
+    def check_traceable(self) -> None:
+        """Traces the round with each traced key alone; refuses one fedorth reads as a number."""
+        server, data = self._initial[0], self._datas[0]
+        for key in self.traced_keys:
+            value = {key: jnp.asarray(self.values[key][0])}
+            try:
+                jax.eval_shape(self._body, server, data, value)
+            except (*_TRACER_ERRORS, ValueError) as e:
+                cause = _tracer_error(e)
+                if cause is None:
+                    raise
+                raise SweepError(
+                    f"sweep.{key} is not sweepable: fedorth reads it as a Python number when it "
+                    f"builds the algorithm ({type(cause).__name__}), so its values cannot share "
+                    f"a compiled round; run one sweep per value (--config.{key}=VALUE)."
+                ) from None
+
+    # -- states -------------------------------------------------------------------------------
+
+    def initial_states(self) -> list[Any]:
+        """The units' round-0 states (the replicas' single-run initial states)."""
+        return [self._unit_state([self._initial[i] for i in unit]) for unit in self.units]
+
+    def _unit_state(self, servers: list[Any]):
+        if self.strategy == "sequential":
+            return servers[0]
+        return _stack(servers)
+
+    def stack(self, states: list[Any]):
+        """One state ``[R, ...]`` (round a scalar) of the units' states: the checkpoint's tree."""
+        per_replica = [self.replica_state(states, i) for i in range(len(self.replicas))]
+        stacked = _stack(per_replica)
+        return stacked.replace(round=per_replica[0].round)
+
+    def unstack(self, stacked) -> list[Any]:
+        """The units' states from :meth:`stack`'s tree."""
+        rounds = stacked.round
+
+        def replica(i):
+            state = jax.tree.map(lambda x: x[i], stacked.replace(round=None))
+            return state.replace(round=jnp.asarray(rounds))
+
+        return [self._unit_state([replica(i) for i in unit]) for unit in self.units]
+
+    def replica_state(self, states: list[Any], index: int):
+        """Replica ``index``'s server state."""
+        for unit, state in zip(self.units, states, strict=True):
+            if index in unit:
+                if self.strategy == "sequential":
+                    return state
+                position = unit.index(index)
+                return jax.tree.map(lambda x: x[position], state)
+        raise IndexError(index)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def __call__(self, states: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Runs one round of every replica: the new states and each replica's metrics."""
+        new_states, metrics = [], [None] * len(self.replicas)
+        for unit, state in zip(self.units, states, strict=True):
+            pick = unit[0] if self.strategy == "sequential" else unit
+            values = {key: jnp.asarray(v[pick]) for key, v in self.values.items()}
+            try:
+                state, unit_metrics = self._step(state, self._unit_data(unit), values)
+            except jax.errors.JaxRuntimeError as error:
+                if not _is_out_of_memory(error):
+                    raise
+                raise fed.RoundOutOfMemoryError(self._out_of_memory_message()) from None
+            new_states.append(state)
+            for position, index in enumerate(unit):
+                if metrics[index] is None:
+                    metrics[index] = (
+                        unit_metrics
+                        if self.strategy == "sequential"
+                        else jax.tree.map(lambda x, p=position: x[p], unit_metrics)
+                    )
+        return new_states, metrics
+
+    def _out_of_memory_message(self) -> str:
+        if self.strategy == "vmap" and self.chunk_size > 1:
+            fix = (
+                f"lower --replica_chunk_size (it runs {self.chunk_size} replicas at once; 1 "
+                "runs one at a time), or pass --replica_strategy=sequential"
+            )
+        else:
+            fix = (
+                "shrink one run first (fed.strategy='sequential' or 'chunked' with fed.chunk_size)"
+            )
+        return f"A sweep round ran out of device memory: {fix}."
+
+    def evaluators(self) -> list[Any]:
+        """Per replica ``evaluate(params, model_state)`` on its test split (one compiled
+        evaluation when every replica has the same test split)."""
+        if self._test_shared:
+            evaluate = builders.make_eval_fn(self.replicas[0].experiment)
+            return [evaluate] * len(self.replicas)
+        return [builders.make_eval_fn(r.experiment) for r in self.replicas]
+
+
+def _tracer_error(error: BaseException | None) -> BaseException | None:
+    """The tracer error behind ``error`` (the factories re-raise it as a ValueError), or None."""
+    while error is not None:
+        if isinstance(error, _TRACER_ERRORS):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _constant(value):
+    return lambda round_index: value
+
+
+def _stack(trees: list[Any]):
+    def stack(*xs):
+        if jax.dtypes.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(
+                jnp.stack([jax.random.key_data(x) for x in xs]), impl=jax.random.key_impl(xs[0])
+            )
+        return jnp.stack(xs)
+
+    return jax.tree.map(stack, *trees)
