@@ -7,6 +7,7 @@ fedorth's), and that the automatic execution choices (``conv_impl="auto"``, ``st
 and the canonical convolution give the numbers of the explicit ones.
 """
 
+import functools
 import json
 import math
 import os
@@ -637,48 +638,76 @@ def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel)
 
 
 def _toy_cnn(conv_impl):
+    """Two convolutions, the second with 16 input channels (where "canonical" starts), and the
+    classifier (every layer adds to each compiled round)."""
     return models.get_model(
-        "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
+        "cnn", features=(16, 4), dense_sizes=(), num_classes=3, conv_impl=conv_impl
     )
 
 
-def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
-    """The opt-in canonical convolution (sequential clients) gives the round of nn.Conv."""
+def _tiny_cnn():
+    """One convolution and the classifier: a convolutional model, so "auto" shards it."""
+    return models.get_model("cnn", features=(2,), dense_sizes=(), num_classes=3)
+
+
+_CNN_ALGORITHMS = {
+    "fedavg": ("fedavg", {"name": "sgd", "learning_rate": 0.1}, {}),
+    # Hessian-vector products (forward over reverse) at every step; averaged states.
+    "fedpac_sophia": (
+        "fedpac",
+        {"name": "sophia", "learning_rate": 0.1, "update_interval": 1},
+        {"beta": 0.5},
+    ),
+}
+
+
+@functools.cache
+def _cnn_rounds(algorithm_name: str, strategy: str, conv_impl: str) -> dict:
+    """Two rounds of `_toy_cnn(conv_impl)` on `_toy_federated`: the resolved strategy, where the
+    parameters and data lay, and (params, opt_state, metrics) after each round as NumPy arrays.
+
+    Cached: the tests comparing strategies share each run (one compilation per program)."""
     x, data = _toy_federated((8, 8, 1), 16)
-    algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
-    results = []
-    for strategy, conv_impl in (("vmap", "lax"), ("sequential", "canonical")):
-        # The first layer (1 input channel) runs im2col + dot under "canonical", the second
-        # (16 input channels) the canonical convolution with its custom VJP.
-        model = _toy_cnn(conv_impl)
-        results.append(
-            _one_round_params(
-                model, algorithm, x, data, strategy=strategy, local_steps=2, batch_size=4
-            )
-        )
-    _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
+    name, optim, options = _CNN_ALGORITHMS[algorithm_name]
+    algorithm = fed.get_algorithm(name, optim, **options)
+    round_fn, server = _toy_round(
+        _toy_cnn(conv_impl), algorithm, x, strategy=strategy, local_steps=2, batch_size=4
+    )
+    placed = round_fn.place(data)
+    rounds = []
+    for _ in range(2):
+        server, metrics = round_fn(server, placed)
+        rounds.append(jax.tree.map(np.asarray, (server.params, server.opt_state, metrics)))
+    return {
+        "strategy": round_fn.strategy,
+        "params_mesh": getattr(server.params["Dense_0"]["kernel"].sharding, "mesh", None),
+        "data_replicated": placed.x_train.sharding.is_fully_replicated,
+        "rounds": rounds,
+    }
 
 
+def test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round():
+    """The opt-in canonical convolution (sequential clients) gives the rounds of nn.Conv: the
+    first layer (1 input channel) runs im2col + dot under "canonical", the second (16 input
+    channels) the canonical convolution with its custom VJP."""
+    vmap = _cnn_rounds("fedavg", "vmap", "lax")
+    canonical = _cnn_rounds("fedavg", "sequential", "canonical")
+    for ours, theirs in zip(vmap["rounds"], canonical["rounds"], strict=True):
+        _assert_trees_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cpu_devices
 def test_sharded_sophia_round_of_a_conv_model_equals_the_sequential_round():
     """FedPAC_Sophia (forward-over-reverse Hessian products) on the auto/sharded path gives the
-    one-device sequential round: parameters, averaged optimizer states and metrics."""
-    x, data = _toy_federated((8, 8, 1), 16)
-    algorithm = fed.get_algorithm("fedpac", {"name": "sophia", "learning_rate": 0.1}, beta=0.5)
-    model = _toy_cnn("auto")
-    results = []
-    for strategy in ("sequential", "auto"):
-        round_fn, server = _toy_round(
-            model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
-        )
-        for _ in range(2):
-            server, metrics = round_fn(server, data)
-        results.append((server.params, server.opt_state, metrics))
-    assert round_fn.strategy == "sharded"
-    _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
+    one-device sequential rounds: parameters, averaged optimizer states and metrics."""
+    sequential = _cnn_rounds("fedpac_sophia", "sequential", "auto")
+    sharded = _cnn_rounds("fedpac_sophia", "auto", "auto")
+    assert sharded["strategy"] == "sharded"
+    _assert_trees_close(sequential["rounds"], sharded["rounds"], rtol=2e-5, atol=1e-6)
 
 
-# SOAP refreshing its bases every step; axes longer than 16 (Dense_0's 64 inputs) unrotated: a
-# 64 x 64 factor of a 64 x 4 kernel has rank <= 4 and its 60-dimensional null space has no
+# SOAP refreshing its bases every step; axes longer than 16 (Dense_0's 32 inputs) unrotated: a
+# 32 x 32 factor of a 32 x 3 kernel has rank <= 3 and its 29-dimensional null space has no
 # preferred basis, so the server's eigh of the averaged factor would pick an arbitrary one.
 _SOAP_EVERY_STEP = {
     "name": "soap",
@@ -688,6 +717,7 @@ _SOAP_EVERY_STEP = {
 }
 
 
+@pytest.mark.cpu_devices
 @pytest.mark.parametrize(
     "name, optim, options",
     [
@@ -713,7 +743,7 @@ def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, op
 
     assert linalg.HOST_CALLS_SHARD, "the installed JAX lacks the host-call internals"
     x, data = _toy_federated((8, 8, 1), 16)
-    model = _toy_cnn("auto")
+    model = _tiny_cnn()
     algorithm = fed.get_algorithm(name, optim, **options)
     results = []
     for strategy in ("sequential", "auto"):
@@ -726,6 +756,7 @@ def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, op
     _assert_trees_close(*results, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.cpu_devices
 def test_without_the_host_call_internals_host_lapack_rounds_stay_on_one_cpu_device(monkeypatch):
     """Where the installed JAX lacks the internals `linalg`'s host call uses, `linalg` falls back
     to `jax.pure_callback` (HOST_CALLS_SHARD False), which hangs on sharded CPU rounds: "auto"
@@ -735,7 +766,7 @@ def test_without_the_host_call_internals_host_lapack_rounds_stay_on_one_cpu_devi
 
     monkeypatch.setattr(linalg, "HOST_CALLS_SHARD", False)
     x, _ = _toy_federated((8, 8, 1), 16)
-    model = _toy_cnn("auto")
+    model = _tiny_cnn()
     for name, optim, options in (
         ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
         ("local_soap", _SOAP_EVERY_STEP, {}),
@@ -751,27 +782,19 @@ def test_without_the_host_call_internals_host_lapack_rounds_stay_on_one_cpu_devi
     assert round_fn.strategy == "sharded"
 
 
+@pytest.mark.cpu_devices
 def test_auto_round_of_a_conv_model_shards_clients_and_equals_the_vmap_lax_round():
     """On CPU with several devices, "auto" lays a convolutional model's clients over the devices
     that divide S (here 2 of the 8 fake ones), each running its clients one at a time with the
     canonical convolution, and reads the federated data (gathered by `sample_batch`) replicated:
-    the round equals the one-device vmap round with nn.Conv."""
-    x, data = _toy_federated((8, 8, 1), 16)
-    algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
-    results = []
-    for strategy, conv_impl in (("vmap", "lax"), ("auto", "auto")):
-        model = _toy_cnn(conv_impl)
-        round_fn, server = _toy_round(
-            model, algorithm, x, strategy=strategy, local_steps=2, batch_size=4
-        )
-        placed = round_fn.place(data)
-        for _ in range(2):
-            server, metrics = round_fn(server, placed)
-        results.append((server.params, metrics))
-    assert round_fn.strategy == "sharded"
-    assert server.params["Dense_0"]["kernel"].sharding.mesh.shape == {"clients": 2}
-    assert placed.x_train.sharding.is_fully_replicated
-    _assert_trees_close(*results, rtol=1e-5, atol=1e-6)
+    the rounds equal the one-device vmap rounds with nn.Conv."""
+    vmap = _cnn_rounds("fedavg", "vmap", "lax")
+    auto = _cnn_rounds("fedavg", "auto", "auto")
+    assert auto["strategy"] == "sharded"
+    assert auto["params_mesh"].shape == {"clients": 2}
+    assert auto["data_replicated"]
+    for ours, theirs in zip(vmap["rounds"], auto["rounds"], strict=True):
+        _assert_trees_close((ours[0], ours[2]), (theirs[0], theirs[2]), rtol=1e-5, atol=1e-6)
 
 
 def test_canonical_impl_uses_the_canonical_conv_from_16_input_channels():
@@ -810,23 +833,13 @@ def test_default_conv_supports_forward_mode_optimizers_in_a_sequential_round():
     """Sophia's Hessian-vector products (jvp of grad) run through the default conv (auto) in the
     default (sequential) round, where the gradient's wide layer is the custom-VJP canonical
     convolution (no forward mode: the objective handed to Sophia is traced with im2col + dot,
-    layers.conv_trace_mode("forward")); the round equals the vmap round of nn.Conv. Explicit
-    "canonical" takes the same path."""
-    x, data = _toy_federated((8, 8, 1), 16)
-    optim = {"name": "sophia", "learning_rate": 0.1, "update_interval": 1}
-    algorithm = fed.get_algorithm("fedavg", optim)
-    results = []
-    for strategy, conv_impl in (("vmap", "lax"), ("sequential", "auto"), ("auto", "canonical")):
-        model = models.get_model(
-            "cnn", features=(16, 16), dense_sizes=(4,), num_classes=3, conv_impl=conv_impl
-        )
-        results.append(
-            _one_round_params(
-                model, algorithm, x, data, strategy=strategy, local_steps=2, batch_size=4
-            )
-        )
-    _assert_trees_close(results[0], results[1], rtol=1e-5, atol=1e-6)
-    _assert_trees_close(results[0], results[2], rtol=1e-5, atol=1e-6)
+    layers.conv_trace_mode("forward")); the rounds equal the vmap rounds of nn.Conv. Explicit
+    "canonical" (here on the auto/sharded path) takes the same path."""
+    vmap = _cnn_rounds("fedpac_sophia", "vmap", "lax")
+    for strategy, conv_impl in (("sequential", "auto"), ("auto", "canonical")):
+        other = _cnn_rounds("fedpac_sophia", strategy, conv_impl)
+        for ours, theirs in zip(vmap["rounds"], other["rounds"], strict=True):
+            _assert_trees_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
