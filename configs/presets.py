@@ -425,6 +425,7 @@ def fedmuon_lmo(dataset: str, alpha: float) -> Preset:
     def setting(config):
         config.data.name = dataset
         config.data.num_clients = 16
+        config.data.partition = base.PAPER_DIRICHLET  # "Following ... (Hsu et al., 2019)"
         config.data.alpha = alpha
         if dataset == "fashion_mnist":
             config.data.augment = False
@@ -467,6 +468,7 @@ def fedmuon_zg(dataset: str, model: str, period: int, *, alpha: float | None = N
         if alpha is None:
             config.data.partition = "iid"
         else:
+            config.data.partition = base.PAPER_DIRICHLET  # its ref. [9], Hsu et al. 2019
             config.data.alpha = alpha
         if dataset == "sentiment140":
             config.data.augment = False
@@ -587,6 +589,7 @@ def fedmuon_liu_glue(task: str) -> Preset:
     def setting(config):
         config.data.name = f"glue/{task}"
         config.data.num_clients = 4
+        config.data.partition = base.PAPER_DIRICHLET
         config.data.alpha = 0.8
         config.data.augment = False
         config.data.dataset_kwargs = ml_collections.ConfigDict(

@@ -875,3 +875,31 @@ def test_default_muon_configs_run_their_papers_box(name):
     assert fallback_rule(reference)["learning_rate"] == reference.optim.learning_rate
     assert reference.optim.weight_decay == 0.0
     assert momentum_form(reference)["beta"] == {"local_muon": 0.95, "fedmuon": 0.98}.get(name, 0.9)
+
+
+# ------------------------------------------------------------ the papers' Dirichlet split
+
+
+def test_every_dirichlet_preset_of_the_papers_is_hsu_et_al():
+    """All four papers follow "the Dirichlet partitioning scheme (Hsu et al., 2019)": each client
+    draws its class mix ``q_i ~ Dir(alpha 1_C)`` (``dirichlet_hsu``, also what the released code
+    of FedMuon (Liu et al.) and FedPAC runs). Every preset of every config that splits by a
+    Dirichlet law uses it; the default (embedded-data) configs keep the per-class split."""
+    base = load("base")
+    seen = 0
+    for path in sorted(CONFIG_DIR.glob("*.py")):
+        module = load(path.stem)
+        get_config = getattr(module, "get_config", None)
+        if get_config is None or any(
+            p.default is inspect.Parameter.empty
+            for p in inspect.signature(get_config).parameters.values()
+        ):
+            continue  # base, presets, and minimax_auc (shared by the minimax configs)
+        default = module.get_config().data.partition
+        assert not default.startswith("dirichlet") or default == "dirichlet_label_split", path.stem
+        for preset in presets_of(path.stem):
+            partition = module.get_config(preset).data.partition
+            if partition.startswith("dirichlet") and preset != "muon_reference":
+                assert partition == base.PAPER_DIRICHLET == "dirichlet_hsu", (path.stem, preset)
+                seen += 1
+    assert seen > 300, seen

@@ -7,16 +7,20 @@ are reproducible from ``seed`` (a NumPy ``default_rng``) and independent of glob
 Choose one by name with :func:`partition` (registry :data:`PARTITIONERS`):
 
 * ``iid``: a uniform random split into near-equal parts.
-* ``dirichlet_label_split`` (alias ``dirichlet``): Hsu et al. 2019 — each class is split across the
-  clients with proportions ``p_c ~ Dir(α·1_N)``. Every example goes to exactly one client; client
-  sizes vary. This is the scheme the seed papers cite (FedMuon (Liu et al.), FedMuon-LMO, FedMuon
-  (Zhang & Gao) and FedPAC (Liu et al.): "Dir-α").
-* ``dirichlet_client_mix``: each client draws its class mix ``q_i ~ Dir(α·1_C)`` and a fixed
-  number of examples from the class pools, as the seeds' released code does. Equal client sizes;
-  examples are reused across clients once a class pool is exhausted (rule in its docstring).
+* ``dirichlet_label_split`` (alias ``dirichlet``): each class is split across the clients with
+  proportions ``p_c ~ Dir(α·1_N)`` (Yurochkin et al. 2019; Wang et al. 2020, FedMA; the
+  NIID-Bench benchmark of Li et al. 2022). Every example goes to exactly one client; client sizes
+  vary. The default (embedded-data) configs use it.
+* ``dirichlet_client_mix`` (alias ``dirichlet_hsu``): Hsu et al. 2019 — each client draws its
+  class mix ``q_i ~ Dir(α·1_C)`` and a fixed number of examples from the class pools. This is
+  the scheme all four papers cite for "Dir-α" (FedMuon (Liu et al.), FedMuon-LMO, FedMuon (Zhang &
+  Gao), FedPAC (Liu et al.): "we follow the Dirichlet partitioning scheme (Hsu et al., 2019)") and
+  the one FedMuon (Liu et al.)'s and FedPAC's authors' released code runs
+  (``data_from_dirichlet``: per-client Dirichlet class weights, 500 examples per client on CIFAR),
+  so the papers' presets use it. Equal client sizes; examples are reused across clients once a
+  class pool is exhausted (rule in its docstring).
 * ``positive_ratio``: binary labels, per-client positive-class ratios (Fed minimax (Zhang & Gao)'s
-imbalanced AUC
-  experiments), dropping the positives that are not needed.
+  imbalanced AUC experiments), dropping the positives that are not needed.
 * ``natural``: one client per user/writer id.
 """
 
@@ -113,14 +117,14 @@ def dirichlet_label_split(
     min_size: int = 0,
     max_redraws: int = 1000,
 ) -> list[np.ndarray]:
-    """Dirichlet label skew by splitting each class across clients (Hsu et al. 2019).
+    """Dirichlet label skew by splitting each class across clients (Yurochkin et al. 2019).
 
     For each class ``c`` with examples ``I_c`` (shuffled): ``p_c ~ Dir(α·1_N)``, and client ``i``
     gets the slice ``I_c[⌊M_c·P_{c,i−1}⌋ : ⌊M_c·P_{c,i}⌋]`` with ``P_c`` the cumulative sum of
     ``p_c``.
     Every example is assigned to exactly one client. ``α → ∞`` tends to an IID split with equal
-    expected sizes; ``α → 0`` gives each class to a single client. The seeds' "Dir-0.1/0.6"
-    settings.
+    expected sizes; ``α → 0`` gives each class to a single client. Not the papers' "Dir-α"
+    (:func:`dirichlet_client_mix` is): the default configs' split.
 
     With ``min_size > 0`` the whole draw is repeated (with fresh randomness from the same stream)
     until every client holds at least ``min_size`` examples, the usual rule in FL code bases
@@ -172,9 +176,11 @@ def dirichlet_client_mix(
     alpha: float,
     client_size: int | None = None,
 ) -> list[np.ndarray]:
-    """Dirichlet label skew by drawing each client's class mix: ``q_i ~ Dir(α·1_C)``.
+    """Dirichlet label skew by drawing each client's class mix: ``q_i ~ Dir(α·1_C)`` (Hsu et al.).
 
-    As in the seeds' released code (``data_from_dirichlet``): client ``i`` draws
+    Hsu et al. 2019's scheme ("we draw q ~ Dir(αp)" per client, p the uniform class prior), the
+    "Dir-α" of the papers' presets, as in FedMuon (Liu et al.)'s and FedPAC's authors' released
+    code (``data_from_dirichlet``): client ``i`` draws
     ``n_i ~ Multinomial(client_size, q_i)`` class counts and takes ``n_{i,c}`` examples from class
     ``c``'s pool. Every client has ``client_size`` examples (default ``⌊M/N⌋``).
 
@@ -341,8 +347,9 @@ PartitionFn = Callable[..., list[np.ndarray]]
 PARTITIONERS: dict[str, PartitionFn] = {
     "iid": iid,
     "dirichlet_label_split": dirichlet_label_split,
-    "dirichlet": dirichlet_label_split,  # the seeds' "Dir-α" (Hsu et al. 2019)
+    "dirichlet": dirichlet_label_split,  # the per-class split (the default configs')
     "dirichlet_client_mix": dirichlet_client_mix,
+    "dirichlet_hsu": dirichlet_client_mix,  # Hsu et al. 2019: the papers' "Dir-α"
     "positive_ratio": positive_ratio,
     "natural": natural,
 }
