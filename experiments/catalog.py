@@ -211,9 +211,9 @@ def apply_switches(config, overrides: dict[str, Any], spec: str) -> list[str]:
 OPTIMIZER_PAPERS = {
     "sgd": "SGD, heavy-ball or Nesterov momentum",
     "adamw": "AdamW (Loshchilov & Hutter 2019), decoupled weight decay",
-    "muon": "Muon (Jordan et al. 2024); FedMuon (Liu et al.) Alg. 2, FedPAC (Liu et al.) Alg. 6",
-    "soap": "SOAP (Vyas et al. 2024); FedPAC (Liu et al.) Alg. 5",
-    "sophia": "Sophia (Liu et al. 2023); FedPAC (Liu et al.) Alg. 4",
+    "muon": "Muon (Jordan et al. 2024); FedMuon (Liu et al.) Alg. 2, FedPAC (Liu et al.) Alg. 6-7",
+    "soap": "SOAP (Vyas et al. 2024); FedPAC (Liu et al.) Alg. 4-5",
+    "sophia": "Sophia (Liu et al. 2023); FedPAC (Liu et al.) Alg. 8-9",
     "lmo": "LMO steps (spectral, Frobenius, sign); FedMuon-LMO (bias-corrected LMO) Alg. 1-2",
 }
 
