@@ -66,13 +66,18 @@ def test_missing_dataset_error_names_dataset_dir_and_command(name, tmp_path):
     message = str(info.value)
     assert repr(name) in message and str(tmp_path) in message
     assert f"tfds build {name} --data_dir={tmp_path} --file_format=array_record" in message
-    assert "download_and_prepare()" in message and "'digits'" in message
+    assert "download_and_prepare()" in message and f"data.data_dir='{tmp_path}'" in message
+    # The command line's keys, and no embedded dataset a config might not take (the minimax
+    # configs run on zipf_sentiment, not digits): a config's default preset is the way.
+    assert "pass --config.data.data_dir=DIR" in message and "digits" not in message
+    assert message.endswith(T.NO_DOWNLOAD)
     assert isinstance(info.value, FileNotFoundError)
 
 
 def test_missing_tiny_imagenet_error(tmp_path):
-    with pytest.raises(data.DatasetNotPreparedError, match="tiny-imagenet-200"):
+    with pytest.raises(data.DatasetNotPreparedError, match="tiny-imagenet-200") as info:
         data.load_dataset("tiny_imagenet", data_dir=tmp_path)
+    assert str(info.value).endswith(f"pass --config.data.data_dir=DIR. {T.NO_DOWNLOAD}")
 
 
 # --------------------------------------------------- a real prepared array_record dataset

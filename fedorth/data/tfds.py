@@ -135,6 +135,12 @@ _SPECS: dict[str, _Spec] = {
 }
 
 
+NO_DOWNLOAD = (
+    "To run without any download, leave out the config's preset: every config's default runs on "
+    "data embedded in fedorth."
+)
+
+
 class DatasetNotPreparedError(FileNotFoundError):
     """A dataset's files are not in the data folder (and nothing is downloaded here)."""
 
@@ -148,7 +154,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> pathlib.Path:
 
 def _not_prepared_message(name: str, data_dir: pathlib.Path) -> str:
     return (
-        f"Dataset {name!r} is not prepared in the TFDS data_dir {str(data_dir)!r} (fedorth reads "
+        f"Dataset {name!r} is not prepared in data.data_dir={str(data_dir)!r} (fedorth reads "
         "prepared array_record files and downloads nothing). Prepare it once on a machine with "
         "network access and TensorFlow installed (pip install -e '.[prepare]'):\n"
         f"  python -m experiments.prepare {name} --data_dir={data_dir}\n"
@@ -157,8 +163,8 @@ def _not_prepared_message(name: str, data_dir: pathlib.Path) -> str:
         "or\n"
         f"  python -c \"import tensorflow_datasets as tfds; tfds.builder('{name}', "
         f"data_dir='{data_dir}', file_format='array_record').download_and_prepare()\"\n"
-        "then copy the folder here and pass data_dir=... (or set TFDS_DATA_DIR). To run without "
-        "any download, use the embedded datasets: name='digits' or name='synthetic'."
+        "then copy the folder here and pass --config.data.data_dir=DIR (or set TFDS_DATA_DIR). "
+        f"{NO_DOWNLOAD}"
     )
 
 
@@ -525,8 +531,8 @@ def _tiny_imagenet_root(data_dir) -> pathlib.Path:
         f"{str(base / 'tiny-imagenet-200')!r} (with train/<wnid>/images/*.JPEG and "
         "val/val_annotations.txt). Run `python -m experiments.prepare tiny_imagenet "
         f"--data_dir={base}` (or download http://cs231n.stanford.edu/tiny-imagenet-200.zip on a "
-        f"machine with network access and unzip it into {str(base)!r}) and pass data_dir=... . "
-        "To run without any download, use name='digits' or name='synthetic'."
+        f"machine with network access and unzip it into {str(base)!r}) and pass "
+        f"--config.data.data_dir=DIR. {NO_DOWNLOAD}"
     )
 
 
