@@ -24,6 +24,7 @@ larger ``--config.fed.rounds`` it extends a finished run.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -70,8 +71,24 @@ def flags_parser(argv: list[str]) -> list[str]:
     return train.flags_parser(argv)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers send before killing a job) outside the rounds: handled as
+    Ctrl-C; during the rounds the loop saves the round in progress first."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
 def main(argv):
     from fedorth import train
+    from fedorth.train.logging_utils import ClosedOutputSafe
+
+    # A reader that goes away (`... | head`) must not stop the run: its files are its result.
+    sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
+    signal.signal(signal.SIGTERM, _terminate)
 
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -104,10 +121,12 @@ def main(argv):
         train.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except train.USER_ERRORS as e:  # bad input: the message says what to do, no traceback
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, train.ConfigError) else 1)
-    except KeyboardInterrupt as e:  # Ctrl-C: the loop's message names the rounds
+        sys.exit(2 if isinstance(e, train.ConfigError | train.WorkdirError) else 1)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the loop's message names the rounds
+        for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
+            signal.signal(signum, signal.SIG_IGN)
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -36,6 +38,7 @@ from fedorth.train.checkpoint import Checkpointer, CheckpointError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "ERRORS.md"
+_UNPATCHED_BUILD = builders.build
 
 # ---------------------------------------------------------------------------------------------
 # Configs: tiny, so that every run here compiles and trains in seconds on 2 CPU cores.
@@ -602,6 +605,540 @@ def test_different_seeds_give_different_partitions_inits_and_samples():
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. One writer per workdir, results that survive damage, signals, a full disk (real processes
+#    and real files: started, stopped with os.kill, damaged, started again).
+
+# The CLI equivalent of tiny_config(): configs/fedavg.py is the base config at lr 0.1.
+TINY_ARGS = [
+    "--config=fedavg",
+    "--config.optim.learning_rate=0.05",
+    "--config.data.num_clients=4",
+    "--config.fed.clients_per_round=2",
+    "--config.fed.local_steps=3",
+    "--config.model.hidden_sizes=16,",
+    "--config.eval_every=1",
+]
+# The scenario's run: checkpoints every 2 rounds, so that rows exist past the newest one; 30
+# rounds leave time to stop it mid-run (it is frozen with SIGSTOP as soon as it gets there).
+SCENARIO = {"fed.rounds": 30, "checkpoint_every": 2}
+SCENARIO_ARGS = [*TINY_ARGS, "--config.fed.rounds=30", "--config.checkpoint_every=2"]
+
+
+def tiny_cli(workdir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.main", *TINY_ARGS, f"--workdir={workdir}", *args]
+
+
+def run_tiny_cli(workdir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        tiny_cli(workdir, *args), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+
+
+def events_of(workdir: pathlib.Path) -> list[tuple[str, int, float]]:
+    from fedorth.train.logging_utils import read_scalars
+
+    return read_scalars(workdir / "tensorboard")
+
+
+def wait_for(condition, proc, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def rounds_in(workdir: pathlib.Path) -> list[int]:
+    try:
+        return [row["round"] for row in rows_of(workdir)]
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.fixture(scope="module")
+def scenario_reference(tmp_path_factory):
+    """The scenario's config run straight through, in this process."""
+    workdir = tmp_path_factory.mktemp("scenario_reference")
+    train.run(tiny_config(**SCENARIO), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """One workdir, ``--workdir=~/run`` with HOME in a temporary folder, four processes:
+
+    1. runs until TensorBoard holds a round newer than the newest checkpoint, then is frozen
+       (SIGSTOP: it still holds the workdir);
+    2. the same command meanwhile: refused;
+    3. 1 is killed (SIGKILL: its lock is left to the kernel); the same command again: resumes,
+       and gets SIGTERM after a round past the one it resumed from;
+    4. the same command again, its output closed after the first line (``| head -1``).
+    """
+    tmp = tmp_path_factory.mktemp("stopped_runs")
+    home = tmp / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    workdir = home / "run"
+    command = [sys.executable, "-m", "experiments.main", *SCENARIO_ARGS, "--workdir=~/run"]
+    out = {"workdir": workdir, "cwd": tmp}
+
+    def start(**kwargs):
+        return subprocess.Popen(command, cwd=tmp, env=env, text=True, **kwargs)
+
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    first = start(**pipe)
+    try:
+
+        def past_checkpoint():
+            steps = steps_in(workdir)
+            return steps and max((s for _, s, _ in events_of(workdir)), default=-1) > max(steps)
+
+        wait_for(past_checkpoint, first, "a TensorBoard round past a checkpoint")
+        first.send_signal(signal.SIGSTOP)
+        out["killed_events"] = events_of(workdir)
+        out["killed_steps"] = steps_in(workdir)
+        out["first_pid"] = first.pid
+        out["second"] = subprocess.run(
+            command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+        )
+        out["lock_while_held"] = (workdir / "run.lock").read_text()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    out["first_returncode"] = first.returncode
+
+    third = start(**pipe)
+    try:
+        resumed_from = max(out["killed_steps"])
+        out["third_first_line"] = third.stderr.readline()  # metrics.jsonl is resumed by then
+        wait_for(lambda: max(rounds_in(workdir)) > resumed_from + 1, third, "a resumed round")
+        third.send_signal(signal.SIGSTOP)  # a signal then lands mid-run, not after the last round
+        third.send_signal(signal.SIGTERM)
+        third.send_signal(signal.SIGCONT)
+        third_out, third_err = third.communicate(timeout=300)
+    finally:
+        if third.poll() is None:
+            third.kill()
+            third.communicate()
+    out["third"] = (third.returncode, third_err)
+    out["third_steps"] = steps_in(workdir)
+    out["third_rounds"] = rounds_in(workdir)
+
+    fourth = start(**pipe)
+    out["fourth_first_line"] = fourth.stderr.readline()
+    fourth.stderr.close()
+    fourth.stdout.close()
+    out["fourth_returncode"] = fourth.wait(timeout=300)
+    return out
+
+
+def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(stopped_runs):
+    second = stopped_runs["second"]
+    assert second.returncode == 1, second.stderr
+    assert "Traceback" not in second.stderr, second.stderr
+    workdir, pid = stopped_runs["workdir"], stopped_runs["first_pid"]
+    holder = json.loads(stopped_runs["lock_while_held"])
+    assert holder["pid"] == pid and holder["host"] == os.uname().nodename
+    message = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert message == [
+        f"error: {workdir} is in use by another run (pid {pid} on host {holder['host']}, "
+        f"started {holder['started']}: {holder['command']}). One run writes to a workdir at a "
+        f"time: wait for it to end or stop it (kill {pid}; the same command resumes it), or use "
+        "another --workdir."
+    ], second.stderr
+    assert_documented(LOCKED, placeholders(message[0], workdir, holder), stopped_runs["cwd"])
+
+
+def placeholders(message: str, workdir: pathlib.Path, holder: dict) -> str:
+    """The lock message with the holder's details as $PID, $HOST, $STARTED, $COMMAND."""
+    return (
+        message.replace(str(workdir), "$WORKDIR")
+        .replace(holder["command"], "$COMMAND")
+        .replace(f"pid {holder['pid']}", "pid $PID")
+        .replace(f"kill {holder['pid']}", "kill $PID")
+        .replace(holder["host"], "$HOST")
+        .replace(holder["started"], "$STARTED")
+    )
+
+
+def locked_message(workdir: pathlib.Path) -> str:
+    """The refusal of a second lock on ``workdir`` (one process: flock locks belong to open
+    files, so two opens of one file exclude each other), with the placeholders."""
+    from fedorth.train import workdir as workdir_lib
+
+    lock = workdir_lib.WorkdirLock(workdir)
+    try:
+        with pytest.raises(train.WorkdirLockedError) as info:
+            workdir_lib.WorkdirLock(workdir)
+        holder = json.loads((workdir / "run.lock").read_text())
+    finally:
+        lock.release()
+    return placeholders("error: " + str(info.value), workdir, holder)
+
+
+def test_a_killed_runs_lock_does_not_block_and_resume_matches(stopped_runs, scenario_reference):
+    assert stopped_runs["first_returncode"] == -signal.SIGKILL
+    returncode, stderr = stopped_runs["third"]
+    resumed = f"Resumed from round {max(stopped_runs['killed_steps'])} in "
+    assert stopped_runs["third_first_line"].startswith(resumed), stopped_runs["third_first_line"]
+    assert "in use by another run" not in stderr, stderr
+    assert stopped_runs["fourth_returncode"] == 0
+    workdir = stopped_runs["workdir"]
+    assert without_wall(rows_of(workdir)) == without_wall(rows_of(scenario_reference))
+    assert not list(stopped_runs["cwd"].glob("~*")), "--workdir=~/run is under $HOME"
+
+
+def test_tensorboard_holds_one_value_per_round_after_kills(stopped_runs):
+    """The killed run's events held a round past its newest checkpoint, which the resumed run
+    computed again; a round's events that had not reached the file were lost."""
+    killed = stopped_runs["killed_events"]
+    assert max(s for _, s, _ in killed) > max(stopped_runs["killed_steps"])
+    events = events_of(stopped_runs["workdir"])
+    rows = rows_of(stopped_runs["workdir"])
+    expected = sorted((key, row["round"]) for row in rows for key in row if key != "round")
+    assert sorted((tag, step) for tag, step, _ in events) == expected, "one value per round"
+    values = {(tag, step): value for tag, step, value in events}
+    for row in rows:
+        for key, value in row.items():
+            if key != "round":  # TensorBoard stores float32
+                assert values[(key, row["round"])] == pytest.approx(value, rel=1e-6)
+
+
+def test_sigterm_saves_the_round_and_says_where_it_resumes(stopped_runs):
+    returncode, stderr = stopped_runs["third"]
+    assert returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    stopped_at = stopped_runs["third_rounds"][-1]
+    assert stopped_at < SCENARIO["fed.rounds"]
+    assert stderr.rstrip().endswith(
+        f"interrupted (SIGTERM) at round {stopped_at}; the same command resumes from round "
+        f"{stopped_at} ({stopped_runs['workdir']})."
+    ), stderr
+    assert max(stopped_runs["third_steps"]) == stopped_at, "the round it stopped at is saved"
+
+
+def test_a_closed_output_does_not_stop_the_run(stopped_runs):
+    """The fourth run's stderr was closed after its first line (``2>&1 | head -1``); it went on
+    to the last round and exited 0 (its files are its result)."""
+    assert stopped_runs["fourth_first_line"].startswith("Resumed from round")
+    assert stopped_runs["fourth_returncode"] == 0
+    assert rounds_in(stopped_runs["workdir"])[-1] == SCENARIO["fed.rounds"]
+
+
+def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path):
+    workdir = tmp_path / "w"
+    command = tiny_cli(workdir, "--config.fed.rounds=200", "--config.checkpoint_every=50")
+    proc = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    seen = False
+    try:
+        wait_for(lambda: len(rounds_in(workdir)) > 2, proc, "round 2")
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stderr:
+            seen = line.startswith("SIGINT: stopping after the round in progress, saved")
+            if seen:
+                break
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert seen, "the first Ctrl-C says the run stops after the round in progress"
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "\ninterrupted " in stderr and "the same command resumes from round" in stderr, stderr
+
+
+def signal_during_round(monkeypatch, at_round: int) -> None:
+    """Sends this process SIGINT while round ``at_round`` runs (a real signal, as Ctrl-C)."""
+
+    def patched_build(config):
+        experiment = _UNPATCHED_BUILD(config)
+        round_fn = experiment.round_fn
+
+        class Signalling:
+            def __call__(self, server, data):
+                if int(server.round) == at_round - 1:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return round_fn(server, data)
+
+            def __getattr__(self, name):
+                return getattr(round_fn, name)
+
+        experiment.round_fn = Signalling()
+        return experiment
+
+    monkeypatch.setattr(loop.builders, "build", patched_build)
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals need the main thread"
+)
+def test_ctrl_c_saves_the_round_it_ends_and_after_the_last_round_the_run_finishes(
+    tmp_path, monkeypatch, tiny_reference, capsys
+):
+    workdir = tmp_path / "w"
+    handler = signal.getsignal(signal.SIGINT)
+    signal_during_round(monkeypatch, 2)
+    with pytest.raises(train.RunInterrupted) as info:
+        train.run(tiny_config(**{"checkpoint_every": 0}), workdir)
+    assert str(info.value) == (
+        f"interrupted (SIGINT) at round 2; the same command resumes from round 2 ({workdir})."
+    )
+    assert steps_in(workdir) == [2], "saved although checkpoint_every=0"
+    assert "SIGINT: stopping after the round in progress, saved" in capsys.readouterr().err
+    # Ctrl-C during the last round: the run has finished; it ends as finished.
+    signal_during_round(monkeypatch, 4)
+    last = train.run(tiny_config(**{"checkpoint_every": 0}), workdir)
+    assert last["round"] == 4
+    assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
+    err = capsys.readouterr().err
+    assert (
+        "interrupted" not in err and f"Finished round 4: train_loss {last['train_loss']:.4f}" in err
+    )
+    assert signal.getsignal(signal.SIGINT) is handler, "the handler is restored"
+
+
+def test_empty_workdir_is_refused_and_tilde_is_expanded(tmp_path):
+    out = subprocess.run(
+        tiny_cli("", "--config.fed.rounds=1"), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written into the current folder"
+    message = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert message == ["error: " + workdir_message("")], out.stderr
+    assert_documented(EMPTY_WORKDIR, message[0], tmp_path)
+    assert loop.workdir_lib.resolve("~/x") == pathlib.Path.home() / "x"
+
+
+def workdir_message(workdir) -> str:
+    with pytest.raises(train.WorkdirError) as info:
+        train.run(tiny_config(), workdir)
+    return str(info.value)
+
+
+def copy_of(reference: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    workdir = tmp_path / "w"
+    shutil.copytree(reference, workdir)
+    return workdir
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def damage_metrics(workdir: pathlib.Path) -> list[bytes]:
+    """A garbled line in the middle (round 2), a line that is not UTF-8, a cut last line (round
+    4). Returns the three damaged lines."""
+    lines = (workdir / "metrics.jsonl").read_bytes().splitlines()
+    garbled, binary, cut = lines[2][:25] + b"#", b"\xff\xfe\x00 round", lines[4][:30]
+    damaged = [lines[0], lines[1], garbled, binary, lines[3], cut]
+    (workdir / "metrics.jsonl").write_bytes(b"\n".join(damaged))
+    return [garbled, binary, cut]
+
+
+def metrics_damaged_warnings(workdir: pathlib.Path, caplog) -> str:
+    """The warnings of a rerun after :func:`damage_metrics` (the file's time as <time>)."""
+    damage_metrics(workdir)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train.run(tiny_config(), workdir)
+    return re.sub(r"corrupt-\d{8}-\d{6}", "corrupt-<time>", "\n".join(warnings_of(caplog)))
+
+
+def test_unreadable_metrics_lines_are_kept_aside_and_valid_rows_kept(
+    tmp_path, caplog, tiny_reference
+):
+    """A garbled line in the middle, a line that is not UTF-8, a cut last line: every readable
+    row stays, the unreadable lines go to metrics.jsonl.corrupt-<time> (one warning), the
+    rows lost in them are rebuilt from TensorBoard's events (one warning)."""
+    workdir = copy_of(tiny_reference, tmp_path)
+    damaged = damage_metrics(copy_of(tiny_reference, tmp_path / "again"))
+    warnings = metrics_damaged_warnings(workdir, caplog)
+    rows, reference = rows_of(workdir), rows_of(tiny_reference)
+    assert without_wall(rows) == without_wall(reference), "every row is back"
+    assert [r["wall_s"] for r in rows] == pytest.approx([r["wall_s"] for r in reference])
+    (aside,) = workdir.glob("metrics.jsonl.corrupt-*")
+    assert aside.read_bytes().splitlines() == damaged
+    moved, rebuilt = warnings.splitlines()
+    assert moved == (
+        f"{workdir / 'metrics.jsonl'}: 3 line(s) hold no readable row (cut by a kill, garbled, "
+        "not UTF-8, or a second row of a round); moved to "
+        f"{workdir / 'metrics.jsonl.corrupt-<time>'}, the 3 readable rows are kept."
+    )
+    assert rebuilt.startswith(f"{workdir / 'metrics.jsonl'} lacked the rows of rounds 2, 4; ")
+    assert_documented(METRICS_DAMAGED, warnings, tmp_path)
+
+
+def test_finished_runs_deleted_metrics_are_rebuilt(tmp_path, caplog, tiny_reference):
+    """From TensorBoard's events when they hold the rows; without them, the last round's test
+    metrics from its checkpoint (its training metrics are gone)."""
+    workdir = copy_of(tiny_reference, tmp_path)
+    (workdir / "metrics.jsonl").unlink()
+    train.run(tiny_config(), workdir)
+    assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
+    (workdir / "metrics.jsonl").write_text("")
+    shutil.rmtree(workdir / "tensorboard")
+    with caplog.at_level(logging.WARNING):
+        train.run(tiny_config(), workdir)
+    (row,) = rows_of(workdir)
+    last = rows_of(tiny_reference)[-1]
+    assert row == {k: v for k, v in last.items() if k.startswith(("test_", "comm_", "round"))}
+    assert any("rebuilt it by evaluating checkpoint 4" in w for w in warnings_of(caplog))
+
+
+def tensorboard_file_message(workdir: pathlib.Path) -> str:
+    shutil.rmtree(workdir / "tensorboard", ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "tensorboard").write_text("not a folder")
+    return "error: " + workdir_message(workdir)
+
+
+def test_tensorboard_path_that_is_a_file_is_one_line(tmp_path, tiny_reference):
+    workdir = copy_of(tiny_reference, tmp_path)
+    message = tensorboard_file_message(workdir)
+    assert message == (
+        f"error: {workdir / 'tensorboard'} is a file; the run writes its TensorBoard events into "
+        "a folder of that name: move the file away (or delete it) and rerun."
+    )
+    assert_documented(TENSORBOARD_FILE, message, tmp_path)
+
+
+def config_in_checkpoint_message(workdir: pathlib.Path) -> str:
+    (workdir / "config.json").unlink()
+    with pytest.raises(train.WorkdirConflictError) as info:
+        train.run(tiny_config(**{"optim.learning_rate": 0.01}), workdir)
+    return "error: " + str(info.value)
+
+
+def test_checkpoint_carries_its_config_when_config_json_is_gone(tmp_path, tiny_reference):
+    workdir = copy_of(tiny_reference, tmp_path)
+    before = (workdir / "metrics.jsonl").read_text()
+    message = config_in_checkpoint_message(workdir)
+    assert message == (
+        f"error: {workdir} holds a run of a different config (recorded in checkpoint 4: "
+        "optim.learning_rate: 0.05 there, 0.01 here). Use another --workdir, or pass "
+        "--overwrite to discard that run."
+    )
+    assert (workdir / "metrics.jsonl").read_text() == before
+    assert_documented(CONFIG_IN_CHECKPOINT, message, tmp_path)
+    train.run(tiny_config(), workdir)  # the same config resumes, and config.json is back
+    assert json.loads((workdir / "config.json").read_text())["optim"]["learning_rate"] == 0.05
+
+
+def incomplete_checkpoint_warning(workdir: pathlib.Path, caplog) -> str:
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    (workdir / "checkpoints" / "4").mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train.run(tiny_config(), workdir)
+    return "\n".join(warnings_of(caplog))
+
+
+def test_incomplete_newest_checkpoint_is_skipped_in_one_line(tmp_path, caplog, tiny_reference):
+    """An emptied newest step folder: the previous one is used and the run ends as a straight
+    run would; all damaged: refused, naming no remedy that discards the run."""
+    workdir = copy_of(tiny_reference, tmp_path)
+    warning = incomplete_checkpoint_warning(workdir, caplog)
+    assert warning == (
+        f"Checkpoint {workdir / 'checkpoints' / '4'} is incomplete: a save or copy that did "
+        "not finish. Resuming from checkpoint 3; the skipped ones were moved to "
+        f"{workdir / 'checkpoints_unreadable'}."
+    )
+    assert_documented(INCOMPLETE, warning, tmp_path)
+    assert steps_in(workdir)[-1] == 4
+    assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
+    for step in steps_in(workdir):
+        shutil.rmtree(workdir / "checkpoints" / str(step) / "default")
+    with pytest.raises(CheckpointError) as info:
+        train.run(tiny_config(), workdir)
+    assert "--overwrite" not in str(info.value) and "they are left as they are" in str(info.value)
+
+
+@_ORBAX_DAMAGED_READ_NOISE
+def test_cli_corrupted_checkpoint_fallback_is_one_line(tmp_path, tiny_reference):
+    workdir = copy_of(tiny_reference, tmp_path)
+    corrupt(workdir / "checkpoints" / "4", "truncate")
+    out = run_tiny_cli(workdir, "--config.fed.rounds=4", "--config.checkpoint_every=1")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line and not line.startswith("[")]
+    assert len(lines) == 3, out.stderr  # the fallback, "Resumed from round 3", "Finished"
+    assert "checkpoints/4 is unreadable or corrupted" in lines[0] and "Resuming" in lines[0]
+    assert lines[1] == f"Resumed from round 3 in {workdir}."
+    assert lines[2].startswith("Finished round 4: ")
+    assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs (needs root and mount permission; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no mount command")
+    if done.returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def test_full_disk_is_one_line_naming_file_space_and_last_checkpoint(small_disk, tiny_reference):
+    """A finished 4-round run extended to 6 on a disk with room for its rows but not for a
+    checkpoint: one line names the checkpoint that could not be written, the space, and the
+    intact checkpoint 4."""
+    workdir = small_disk / "w"
+    shutil.copytree(tiny_reference, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "2")  # room for the run's small files only
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(bytes(max(free - 16_000, 0)))
+    out = run_tiny_cli(workdir, "--config.fed.rounds=6", "--config.checkpoint_every=1")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and len(out.stderr.splitlines()) < 12, out.stderr
+    message = sizes(errors[0])
+    assert message == (
+        f"error: No space left on the device of {workdir / 'checkpoints' / '5'}: it could not "
+        "be written (about $NEEDED needed, $FREE free); the last intact checkpoint is "
+        f"{workdir / 'checkpoints' / '4'} (the same command resumes from it once space is "
+        "freed)."
+    ), errors[0]
+    assert [r["round"] for r in rows_of(workdir)] == [0, 1, 2, 3, 4, 5]
+    assert steps_in(workdir)[-1] == 4
+    assert not list((workdir / "checkpoints").glob("*tmp*")), "the cut save is removed"
+    assert_documented(DISK_FULL, message, small_disk)
+
+
+def sizes(message: str) -> str:
+    """The space figures of a full-disk message as $NEEDED and $FREE."""
+    message = re.sub(r"\d+\.\d [kM]B(?= needed)", "$NEEDED", message)
+    return re.sub(r"\d+\.\d [kM]B(?= free)", "$FREE", message)
+
+
+def disk_full_message(tmp: pathlib.Path) -> str:
+    """The message of a full disk during the save of round 5 after checkpoint 4 (for the doc;
+    the test above fills a real disk)."""
+    workdir = tmp / "w"
+    checkpointer = Checkpointer(workdir, every=1)
+    try:
+        server = builders.init_server(builders.build(tiny_config()))
+        checkpointer.save(server.replace(round=jnp.int32(4)))
+        with pytest.raises(train.DiskFullError) as info:
+            with loop._disk_space(checkpointer.directory / "5", 4_840, checkpointer):
+                raise OSError(28, "No space left on device")
+    finally:
+        checkpointer.close()
+    return sizes("error: " + str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------
 # docs/ERRORS.md: every message above, generated from these cases.
 
 CLI_TYPO = "`--config.fed.typo=1` (a key the config does not define; exit code 2)"
@@ -630,6 +1167,22 @@ ROUNDS_COSINE = (
     "(exit code 1; with a constant or step schedule the run is extended instead)"
 )
 INTERRUPTED = "Ctrl-C during round 4 with `checkpoint_every=2` (exit code 130)"
+# Workdir, results, signals, disk (section 6).
+LOCKED = (
+    "a second run on a workdir while a run holds it (exit code 1; a killed holder does not block)"
+)
+EMPTY_WORKDIR = "`--workdir=` (empty; exit code 2)"
+TENSORBOARD_FILE = "a file named `tensorboard` in the workdir (exit code 2)"
+METRICS_DAMAGED = (
+    "`metrics.jsonl` with a garbled line, a line that is not UTF-8 and a cut last line "
+    "(warnings; the run resumes)"
+)
+CONFIG_IN_CHECKPOINT = (
+    "`optim.learning_rate=0.01` in a workdir whose `config.json` was deleted, holding a run at "
+    "0.05 (exit code 1)"
+)
+INCOMPLETE = "an emptied newest checkpoint folder (a warning; the run resumes)"
+DISK_FULL = "a full disk while a checkpoint is written (exit code 1)"
 
 
 def config_argument_message(spec: str) -> str:
@@ -799,8 +1352,25 @@ def write_doc() -> None:
     ):
         with tempfile.TemporaryDirectory() as tmp:
             runtime.append(_row(description, make(pathlib.Path(tmp)), pathlib.Path(tmp)))
+
+    def finished(tmp: pathlib.Path) -> pathlib.Path:
+        train.run(tiny_config(), tmp / "w")
+        return tmp / "w"
+
+    results = []
+    for description, make in (
+        (LOCKED, lambda tmp: locked_message(tmp / "w")),
+        (EMPTY_WORKDIR, lambda tmp: "error: " + workdir_message("")),
+        (TENSORBOARD_FILE, lambda tmp: tensorboard_file_message(tmp / "w")),
+        (METRICS_DAMAGED, lambda tmp: metrics_damaged_warnings(finished(tmp), Caplog())),
+        (CONFIG_IN_CHECKPOINT, lambda tmp: config_in_checkpoint_message(finished(tmp))),
+        (INCOMPLETE, lambda tmp: incomplete_checkpoint_warning(finished(tmp), Caplog())),
+        (DISK_FULL, disk_full_message),
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            results.append(_row(description, make(pathlib.Path(tmp)), pathlib.Path(tmp)))
     table = "| bad input | message |\n| --- | --- |\n"
-    DOC.write_text(
+    generated = (
         HEADER
         + "\n## Config values\n\n"
         + table
@@ -808,8 +1378,38 @@ def write_doc() -> None:
         + "\n\n## Command line, data, divergence, checkpoints, workdir\n\n"
         + table
         + "\n".join(runtime)
+        + "\n\n"
+        + RESULTS_SECTION
+        + table
+        + "\n".join(results)
         + "\n"
     )
+    # Sections written elsewhere (other test files' messages) are kept as they are.
+    titles = {line for line in generated.splitlines() if line.startswith("## ")}
+    kept = [
+        "## " + part
+        for part in DOC.read_text().split("\n## ")[1:]
+        if "## " + part.splitlines()[0] not in titles
+    ]
+    DOC.write_text(generated + "".join("\n" + part.rstrip("\n") + "\n" for part in kept))
+
+
+RESULTS_SECTION = """## Workdir, results, signals, full disk
+
+One run writes to a workdir at a time: it holds `$WORKDIR/run.lock` (an operating-system lock,
+released when the process ends however it ends, so a killed run never blocks the next one; the
+file keeps the holder's pid, host, start time and command). A multi-process run takes it once, in
+process 0. `metrics.jsonl` never loses a readable row: unreadable lines are moved beside it, rows
+missing up to the restored checkpoint are rebuilt from the TensorBoard events (or, for the last
+round, by evaluating its checkpoint), and the TensorBoard events are rewritten from
+`metrics.jsonl` at every start, one value per round. Each checkpoint carries its run's config.
+Ctrl-C or SIGTERM stops after the round in progress and saves it ("interrupted (SIGTERM) at round
+r; the same command resumes from round r", exit code 130 or 143); a second one stops at once,
+from the newest checkpoint; one that comes after the last round lets the run finish. A closed
+output (`... | head`) does not stop a run. `$PID`, `$HOST`, `$STARTED`, `$COMMAND`, `$NEEDED`,
+`$FREE` stand for the values of the moment.
+
+"""
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from fedorth.train.loop import (  # noqa: F401
     USER_ERRORS,
+    DiskFullError,
     DivergenceError,
+    RunInterrupted,
     WorkdirConflictError,
     run,
 )
@@ -11,3 +13,4 @@ from fedorth.train.validate import (  # noqa: F401
     drop_keys_of_another_model,
     flags_parser,
 )
+from fedorth.train.workdir import WorkdirError, WorkdirLockedError  # noqa: F401

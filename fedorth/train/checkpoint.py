@@ -16,8 +16,16 @@ Crash safety rests on three properties:
   after :meth:`Checkpointer.save` returns, so the next round may donate them
   (``donate_argnums`` in ``fedorth.fed.round``) and no background thread outlives a save.
 
+* **Complete steps only.** A step folder without orbax's commit marker (``commit_success.txt``)
+  and metadata, e.g. an emptied or half-copied folder, is skipped with the same one-line warning
+  and set aside like an unreadable one.
+* **The config travels with the state.** Each step's metadata holds the resolved config of the
+  run that saved it, so a run of another config cannot resume it, even without ``config.json``
+  (``saved_config``).
+
 If *no* step can be restored, :class:`CheckpointError` is raised instead of silently starting
-over: that usually means the code changed the state's structure (use a new workdir).
+over: that usually means the code changed the state's structure. The steps are left as they
+are, and the message offers nothing that would discard them.
 
 Multi-process runs (``jax.process_count() > 1``) save the device arrays directly and skip the
 digest (each process would only see its own shards).
@@ -25,8 +33,11 @@ digest (each process would only see its own shards).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
+import io
+import json
 import logging
 import pathlib
 import shutil
@@ -41,6 +52,41 @@ import orbax.checkpoint as ocp
 from fedorth.fed.state import ServerState
 
 _DIGEST_KEY = "fedorth_sha256"
+_CONFIG_KEY = "fedorth_config"
+# Orbax's own record of a finished step (written last, before the rename that makes it final):
+# CheckpointManager lists a step folder by its name alone, an empty folder included.
+_COMPLETE_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def _is_complete(step_dir: pathlib.Path) -> bool:
+    return all((step_dir / name).is_file() for name in _COMPLETE_MARKERS)
+
+
+def _step_dirs(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The step folders of ``directory``, newest first."""
+    if not directory.is_dir():
+        return []
+    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+    return sorted(steps, key=lambda p: int(p.name), reverse=True)
+
+
+def saved_config(directory: str | pathlib.Path) -> tuple[int, dict] | None:
+    """``(step, config)``: the config saved with the newest complete step that has one.
+
+    Read from the step's orbax metadata file without restoring anything (no JAX). ``None``
+    when no step carries a config (none saved yet, or saved by an older fedorth).
+    """
+    for step_dir in _step_dirs(pathlib.Path(directory)):
+        if not _is_complete(step_dir):
+            continue
+        try:
+            metadata = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        except (OSError, ValueError):
+            continue
+        config = (metadata.get("custom_metadata") or {}).get(_CONFIG_KEY)
+        if isinstance(config, dict):
+            return int(step_dir.name), config
+    return None
 
 
 class CheckpointError(RuntimeError):
@@ -95,6 +141,30 @@ def _warn(message: str) -> None:
     logging.warning(message)
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Keeps a failed restore or save to the caller's one line: orbax and TensorStore log each
+    failed read or write (with coroutine and spec dumps, from their threads) through absl/Python
+    logging at WARNING and ERROR, and TensorStore's callbacks into a closed event loop print
+    tracebacks to ``sys.stderr``, all before the error reaches the caller. On an error, the
+    abandoned reads and writes are collected here, quietly."""
+    loggers = [logging.getLogger(), logging.getLogger("absl")]
+    levels = [logger.level for logger in loggers]
+    stderr = sys.stderr
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    sys.stderr = io.StringIO()
+    try:
+        yield
+    except BaseException:
+        _collect_abandoned_reads()
+        raise
+    finally:
+        sys.stderr = stderr
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 class Checkpointer:
     """Saves the server state every ``every`` rounds under ``workdir/checkpoints``.
 
@@ -103,23 +173,34 @@ class Checkpointer:
       every: save when ``round % every == 0`` (and at the end); ``0`` disables periodic saves.
       max_to_keep: how many recent checkpoints to keep (>= 2 so a corrupted newest one has a
         predecessor to fall back to).
+      config: the run's resolved config (``config.to_dict()``), saved in each step's metadata.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, *, every: int, max_to_keep: int = 3):
+    def __init__(
+        self,
+        workdir: str | pathlib.Path,
+        *,
+        every: int,
+        max_to_keep: int = 3,
+        config: dict | None = None,
+    ):
         if every < 0:
             raise ValueError(f"checkpoint_every={every} must be >= 0.")
         self.every = every
+        # JSON types only (orbax writes the metadata as JSON); as config.json writes it.
+        self.config = None if config is None else json.loads(json.dumps(config, default=str))
         self.workdir = pathlib.Path(workdir).absolute()
         self.directory = self.workdir / "checkpoints"
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max(max_to_keep, 2),
-                create=True,
-                enable_async_checkpointing=False,
-                cleanup_tmp_directories=True,
-            ),
-        )
+        with _quiet_orbax():  # orbax warns of each incomplete step it lists
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max(max_to_keep, 2),
+                    create=True,
+                    enable_async_checkpointing=False,
+                    cleanup_tmp_directories=True,
+                ),
+            )
 
     def save(self, server: ServerState, *, force: bool = False) -> bool:
         """Saves ``server`` at step ``server.round`` if due (or ``force``) and not yet saved."""
@@ -129,12 +210,13 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         tree = _to_saveable(server)
-        metadata = {}
+        metadata = {} if self.config is None else {_CONFIG_KEY: self.config}
         if jax.process_count() == 1:
             tree = jax.device_get(tree)  # host copy: the next round may donate the buffers
             metadata[_DIGEST_KEY] = tree_digest(tree)
-        self.manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata=metadata)
-        self.manager.wait_until_finished()
+        with _quiet_orbax():  # a failure is raised here (a full disk: fedorth.train.loop says so)
+            self.manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata=metadata)
+            self.manager.wait_until_finished()
         return True
 
     def _verify(self, step: int, tree: Any) -> None:
@@ -155,8 +237,17 @@ class Checkpointer:
                 shutil.move(str(source), str(target / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
         self.manager.reload()
 
+    def discard_partial_saves(self) -> None:
+        """Removes the temporary folders of saves that did not complete (a full disk): they hold
+        space, and the next run would remove them anyway."""
+        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def restore_latest(self, like: ServerState) -> ServerState | None:
         """The newest intact checkpoint (structure of ``like``), or ``None`` if there is none.
+
+        Incomplete, unreadable or corrupted steps before it are moved to
+        ``checkpoints_unreadable/`` and named in one warning line.
 
         Raises:
           CheckpointError: checkpoints exist but none can be restored.
@@ -164,33 +255,33 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(like))
         failed: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            if not _is_complete(self.directory / str(step)):
+                failed.append((step, "incomplete: a save or copy that did not finish"))
+                continue
             try:
-                tree = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+                with _quiet_orbax():
+                    tree = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
                 self._verify(step, tree)
             except Exception as e:  # noqa: BLE001 -- any read failure means: try the previous one
                 detail = str(e).splitlines()[0] if str(e) else ""
                 detail = detail.split(" See full TensorStore details")[0][:200]
-                reason = f"{type(e).__name__}: {detail}"
-                failed.append((step, reason))
-                _collect_abandoned_reads()
-                _warn(
-                    f"Checkpoint {self.directory / str(step)} is unreadable or corrupted "
-                    f"({reason}); falling back to the previous one."
-                )
+                failed.append((step, f"unreadable or corrupted ({type(e).__name__}: {detail})"))
                 continue
             if failed:
                 self._set_aside([s for s, _ in failed])
                 _warn(
-                    f"Resuming from checkpoint {step}; the unreadable ones "
-                    f"{[s for s, _ in failed]} were moved to "
+                    " ".join(f"Checkpoint {self.directory / str(s)} is {why}." for s, why in failed)
+                    + f" Resuming from checkpoint {step}; the skipped ones were moved to "
                     f"{self.workdir / 'checkpoints_unreadable'}."
                 )
             return _from_saveable(tree, like)
         if failed:
             raise CheckpointError(
                 f"None of the checkpoints {[s for s, _ in failed]} in {self.directory} can be "
-                f"restored (newest: {failed[0][1]}). If the code changed the structure of the "
-                "server state, start a new --workdir (or pass --overwrite to discard this run)."
+                f"restored (newest: {failed[0][1]}); they are left as they are. If fedorth's "
+                "code changed the structure of the server state since they were saved, resume "
+                "with the version that saved them (run_info.json names its git commit), or start "
+                "a new --workdir."
             )
         return None
 

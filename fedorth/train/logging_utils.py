@@ -1,54 +1,211 @@
-"""Run outputs: ``metrics.jsonl``, TensorBoard event files (tensorboardX), a progress line."""
+"""Run outputs: ``metrics.jsonl``, TensorBoard event files (tensorboardX), a progress line.
+
+``metrics.jsonl`` is the run's result, so nothing in it is dropped without a copy: when a run
+resumes, the rows up to the restored checkpoint's round are kept (the rounds after it are
+computed again, to the same values); a line that is not a JSON row (cut by a kill, garbled, not
+UTF-8), or a second row of a round, is moved to ``metrics.jsonl.corrupt-<time>`` beside it; and
+a row missing up to that round is rebuilt from the TensorBoard events when they hold it. Each of
+these is said in one line. TensorBoard's events are then rewritten from ``metrics.jsonl``, so
+after any resume they hold one value per round, as ``metrics.jsonl`` does.
+"""
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
+import os
 import pathlib
+import struct
 import sys
 import time
 from typing import Any
 
+from fedorth.train.workdir import WorkdirError
+
+_EVENTS_GLOB = "events.out.tfevents.*"
+
+
+def _parse(text: bytes) -> dict[str, Any] | None:
+    """The row a ``metrics.jsonl`` line holds, or ``None`` if it holds none."""
+    try:
+        row = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(row, dict) or type(row.get("round")) is not int:
+        return None
+    return row
+
+
+def read_metrics(path: pathlib.Path) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The rows of a ``metrics.jsonl`` file and its lines that hold no row.
+
+    Returns:
+      ``(rows, unreadable)``: the rows in file order (one per round: a second row of a round
+      counts as unreadable) and the raw lines that are not a JSON object with an integer
+      ``round``.
+    """
+    if not path.exists():
+        return [], []
+    rows, unreadable, seen = [], [], set()
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        row = _parse(line)
+        if row is None or row["round"] in seen:
+            unreadable.append(line)
+            continue
+        seen.add(row["round"])
+        rows.append(row)
+    return rows, unreadable
+
+
+def read_scalars(logdir: pathlib.Path) -> list[tuple[str, int, float]]:
+    """Every scalar ``(tag, step, value)`` in the TensorBoard event files under ``logdir``.
+
+    Reads the TFRecord framing (length, its CRC, the record, its CRC) and stops at a file's
+    first cut or unreadable record (a writer killed mid-record). Files in name (time) order.
+    """
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(logdir.glob(_EVENTS_GLOB)) if logdir.is_dir() else []:
+        raw = path.read_bytes()
+        at = 0
+        while at + 12 <= len(raw):
+            (length,) = struct.unpack("<Q", raw[at : at + 8])
+            if at + 12 + length + 4 > len(raw):
+                break
+            try:
+                event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
+            except Exception:  # noqa: BLE001 -- protobuf's DecodeError: a damaged record
+                break
+            at += 12 + length + 4
+            for value in event.summary.value:
+                out.append((value.tag, int(event.step), float(value.simple_value)))
+    return out
+
 
 class MetricsWriter:
-    """Appends one JSON object per evaluated round to ``workdir/metrics.jsonl``.
+    """Appends one JSON object per evaluated round to ``workdir/metrics.jsonl``, and its scalars
+    to TensorBoard's event files in ``workdir/tensorboard``.
 
-    On resume, :meth:`truncate_after` drops rows newer than the restored checkpoint so the file
-    of a resumed run equals that of an uninterrupted one.
+    Raises:
+      WorkdirError: ``workdir/tensorboard`` exists and is not a folder.
     """
 
     def __init__(self, workdir: pathlib.Path):
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._tb = _tensorboard_writer(pathlib.Path(workdir) / "tensorboard")
+        self.logdir = pathlib.Path(workdir) / "tensorboard"
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise WorkdirError(
+                f"{self.logdir} is a file; the run writes its TensorBoard events into a folder "
+                "of that name: move the file away (or delete it) and rerun."
+            )
+        self._tb = None
 
     def rows(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill mid-write
-                break
-        return out
+        return read_metrics(self.path)[0]
 
-    def truncate_after(self, round_index: int) -> list[dict[str, Any]]:
-        kept = [row for row in self.rows() if row["round"] <= round_index]
-        # Write then rename: a kill during the rewrite must not lose the kept rows.
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        tmp.replace(self.path)
-        return kept
+    def resume(
+        self, round_index: int, exact: dict[str, float] | None = None
+    ) -> list[dict[str, Any]]:
+        """Makes ``metrics.jsonl`` and the TensorBoard events those of a run that has just ended
+        round ``round_index`` (``-1``: a run that has not started), and opens the events.
+
+        Rows after ``round_index`` are dropped (the resumed run computes them again, to the same
+        values); unreadable lines and second rows of a round are moved to
+        ``metrics.jsonl.corrupt-<time>``; rows up to ``round_index`` that the file lacks are
+        rebuilt from the TensorBoard events when those hold them (float32 copies: exact for the
+        metrics computed in float32; ``exact`` gives fields known exactly, e.g. the
+        communication per round). One warning line for each of these.
+
+        Returns:
+          The rows kept, in round order.
+        """
+        rows, unreadable = read_metrics(self.path)
+        if unreadable:
+            aside = self.path.with_name(
+                f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+            )
+            with aside.open("ab") as f:
+                f.write(b"".join(line + b"\n" for line in unreadable))
+            logging.warning(
+                "%s: %d line(s) hold no readable row (cut by a kill, garbled, not UTF-8, or a "
+                "second row of a round); moved to %s, the %d readable rows are kept.",
+                self.path,
+                len(unreadable),
+                aside,
+                len(rows),
+            )
+        kept = {row["round"]: row for row in rows if row["round"] <= round_index}
+        rebuilt = self._rebuild_from_events(kept, round_index, exact or {})
+        if rebuilt:
+            logging.warning(
+                "%s lacked the rows of rounds %s; rebuilt them from the TensorBoard events in %s "
+                "(float32 copies: exact for the losses and accuracies, wall_s rounded).",
+                self.path,
+                _ranges(rebuilt),
+                self.logdir,
+            )
+        kept_rows = [kept[r] for r in sorted(kept)]
+        text = "".join(json.dumps(row) + "\n" for row in kept_rows)
+        if not self.path.exists() or self.path.read_text(errors="replace") != text:
+            # Write then rename: a kill during the rewrite must not lose the kept rows.
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with tmp.open("w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(self.path)
+        self._rewrite_events(kept_rows)
+        return kept_rows
+
+    def _rebuild_from_events(
+        self, kept: dict[int, dict[str, Any]], round_index: int, exact: dict[str, float]
+    ) -> list[int]:
+        if round_index < 0 or not self.logdir.is_dir():
+            return []
+        found: dict[int, dict[str, float]] = {}
+        for tag, step, value in read_scalars(self.logdir):
+            if step <= round_index and step not in kept:
+                found.setdefault(step, {})[tag] = value
+        # The key order of the fullest kept row (a round-0 row lacks train_loss), for a file
+        # whose rows read alike.
+        order = dict.fromkeys(max(kept.values(), key=len, default={}))
+        order.update(dict.fromkeys(k for row in kept.values() for k in row))
+        for step, values in found.items():
+            row = {"round": step, **values}
+            row.update({k: v for k, v in exact.items() if k in row})
+            keys = [k for k in order if k in row] + [k for k in row if k not in order]
+            kept[step] = {k: row[k] for k in keys}
+        return sorted(found)
+
+    def _rewrite_events(self, rows: list[dict[str, Any]]) -> None:
+        """Rewrites TensorBoard's events as ``rows`` (one file), then opens a file for the rows
+        to come. The older event files are removed once the new one is complete: a kill in
+        between leaves both, and the next start rewrites them again."""
+        old = sorted(self.logdir.glob(_EVENTS_GLOB)) if self.logdir.is_dir() else []
+        if not rows and not old:
+            self._tb = _tensorboard_writer(self.logdir)
+            return
+        writer = _tensorboard_writer(self.logdir)
+        if writer is None:
+            return
+        for row in rows:
+            _add_scalars(writer, row)
+        writer.close()  # tensorboardX writes through a queue and a thread: close() drains both
+        for path in old:
+            path.unlink(missing_ok=True)
+        self._tb = _tensorboard_writer(self.logdir)
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "round" and isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, row["round"])
+            _add_scalars(self._tb, row)
             self._tb.flush()
 
     def close(self) -> None:
@@ -59,14 +216,66 @@ class MetricsWriter:
             self._tb = None
 
 
+def _ranges(rounds: list[int]) -> str:
+    return ", ".join(str(r) for r in rounds[:10]) + (
+        f" and {len(rounds) - 10} more" if len(rounds) > 10 else ""
+    )
+
+
+def _add_scalars(writer, row: dict[str, Any]) -> None:
+    for key, value in row.items():
+        if key != "round" and isinstance(value, int | float) and math.isfinite(value):
+            writer.add_scalar(key, value, row["round"])
+
+
+_writers = iter(range(1 << 62))
+
+
 def _tensorboard_writer(logdir: pathlib.Path):
     """TensorBoard event files through tensorboardX (a dependency of fedorth; it needs no
-    TensorFlow). View them with ``tensorboard --logdir WORKDIR/tensorboard``."""
+    TensorFlow). View them with ``tensorboard --logdir WORKDIR/tensorboard``.
+
+    Each writer gets its own file (tensorboardX names files by the second and the host; the
+    suffix keeps two writers of one second apart)."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError:  # an install without its dependencies: metrics.jsonl is still written
         return None
-    return SummaryWriter(str(logdir), flush_secs=5)  # watchable while the run goes on
+    # flush_secs: watchable while the run goes on.
+    suffix = f".{os.getpid()}.{next(_writers)}"
+    return SummaryWriter(str(logdir), flush_secs=5, filename_suffix=suffix)
+
+
+class ClosedOutputSafe:
+    """A text stream (``sys.stdout``, ``sys.stderr``) whose reader may go away (``... | head``):
+    on the first broken pipe, the stream's file descriptor is pointed at ``os.devnull``, so the
+    run goes on, writing its files, without output, and exits as it would have.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _closed(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+            self._stream.flush()  # what was buffered goes to os.devnull
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def format_duration(seconds: float) -> str:

@@ -10,8 +10,19 @@ round index).
 Live outputs: ``metrics.jsonl`` starts with a round-0 row (the initial model's evaluation; no
 ``train_loss``, no local step ran), ``curves.png`` is redrawn at every evaluation, TensorBoard
 event files (tensorboardX) go to ``tensorboard/``, and the progress line shows the rate of the
-recent rounds (the first, compiling, round excluded) and an ETA. Ctrl-C ends with "interrupted at
-round r; the same command resumes from round c" (:class:`RunInterrupted`).
+recent rounds (the first, compiling, round excluded) and an ETA. A finished run ends with one line:
+its last metrics and where its files are.
+
+Stopping: Ctrl-C (SIGINT) or SIGTERM stops the run after the round in progress, saved: "interrupted
+(SIGTERM) at round r; the same command resumes from round r" (:class:`RunInterrupted`); a second
+one stops it at once ("interrupted at round r; the same command resumes from round c", the newest
+checkpoint); one that comes during the last round lets the run finish.
+
+Safety of the outputs: one run at a time per workdir (:mod:`fedorth.train.workdir`); each
+checkpoint carries the config of its run, which a rerun must match (as ``config.json``);
+``metrics.jsonl`` keeps every readable row, and TensorBoard's events are rewritten from it at each
+start (:class:`~fedorth.train.logging_utils.MetricsWriter`); a full disk ends with one line naming
+the file, the space and the last intact checkpoint (:class:`DiskFullError`).
 
 ``fed.rounds`` is not part of a run's identity: the same config with more rounds continues a
 finished run (fewer stops early), unless the learning-rate schedule decays over ``fed.rounds``
@@ -21,14 +32,20 @@ schedule (:data:`ROUNDS_FREE_SCHEDULES`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import math
 import os
 import pathlib
 import platform
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -41,9 +58,12 @@ import fedorth
 from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
 from fedorth.train import builders, plots
+from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
 from fedorth.train.logging_utils import MetricsWriter, Progress
 from fedorth.train.validate import ConfigError, validate
+from fedorth.train.workdir import WorkdirError, WorkdirLockedError
 
 
 class DivergenceError(FloatingPointError):
@@ -55,8 +75,17 @@ class WorkdirConflictError(RuntimeError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run; the message names the round reached and the round a rerun resumes
-    from (the newest checkpoint)."""
+    """Ctrl-C (SIGINT) or SIGTERM during a run; the message names the round reached and the round
+    a rerun resumes from (the newest checkpoint). ``signum``: the signal, or ``None`` for a
+    ``KeyboardInterrupt`` raised otherwise."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
+
+
+class DiskFullError(OSError):
+    """A file of the run could not be written: no space left on its file system."""
 
 
 ROUNDS_FREE_SCHEDULES = ("constant", "step")
@@ -70,6 +99,9 @@ USER_ERRORS = (
     ConfigError,
     DatasetNotPreparedError,
     WorkdirConflictError,
+    WorkdirError,
+    WorkdirLockedError,
+    DiskFullError,
     DivergenceError,
     CheckpointError,
     fed.RoundOutOfMemoryError,
@@ -175,17 +207,50 @@ def _has_results(workdir: pathlib.Path) -> bool:
     )
 
 
+def _recorded_config(workdir: pathlib.Path) -> tuple[str, dict | None] | None:
+    """The config of the run in ``workdir`` and where it is recorded, or ``None``.
+
+    The newest complete checkpoint's copy comes first: it travels with the state it describes
+    (``config.json`` can be deleted, or left by another run). ``config.json`` is used for runs
+    without such a checkpoint; ``None`` in place of the dict: it is not valid JSON.
+    """
+    saved = checkpoint_lib.saved_config(workdir / "checkpoints")
+    if saved is not None:
+        step, recorded = saved
+        return f"checkpoint {step}", recorded
+    path = workdir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return "config.json", json.loads(path.read_text())
+    except (ValueError, OSError):
+        return "config.json", None
+
+
+def _same_json(path: pathlib.Path, value: dict) -> bool:
+    try:
+        return json.loads(path.read_text()) == value
+    except (ValueError, OSError):
+        return False
+
+
 def _prepare_workdir(
     config: ml_collections.ConfigDict, workdir: pathlib.Path, overwrite: bool
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     config_json = json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
     path = workdir / "config.json"
-    if path.exists() and path.read_text() != config_json and _has_results(workdir):
-        try:
-            diff = _config_differences(json.loads(path.read_text()), json.loads(config_json))
-        except json.JSONDecodeError:
+    recorded = _recorded_config(workdir) if _has_results(workdir) else None
+    if recorded is not None:
+        where, old = recorded
+        if old is None:
             diff = [f"{path} is not valid JSON"]
+        else:
+            diff = _config_differences(old, json.loads(config_json))
+        # The checkpoint's copy is named when config.json does not say the same.
+        said = f"recorded in {where}: "
+        if where == "config.json" or (path.exists() and _same_json(path, old)):
+            said = ""
         if not overwrite and diff and all(d.startswith("fed.rounds:") for d in diff):
             # fed.rounds is not part of a run's identity: more rounds continue it, unless the
             # learning-rate schedule is a function of fed.rounds (then the rounds already run
@@ -193,7 +258,7 @@ def _prepare_workdir(
             schedule = config.optim.get("schedule", "constant")
             if schedule not in ROUNDS_FREE_SCHEDULES:
                 raise WorkdirConflictError(
-                    f"{workdir} holds a run with another fed.rounds ({diff[0]}), and "
+                    f"{workdir} holds a run with another fed.rounds ({said}{diff[0]}), and "
                     f"optim.schedule={schedule!r} decays over fed.rounds: its rounds so far "
                     "followed the schedule of the old length, so continuing would match neither "
                     "run. Use another --workdir, or pass --overwrite to discard that run (a "
@@ -201,26 +266,25 @@ def _prepare_workdir(
                 )
             _write_atomic(path, config_json)
             return
-        if not overwrite:
+        if diff and not overwrite:
             shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
             raise WorkdirConflictError(
-                f"{workdir} holds a run of a different config ({shown}). Use another "
+                f"{workdir} holds a run of a different config ({said}{shown}). Use another "
                 "--workdir, or pass --overwrite to discard that run."
             )
-        import shutil
-
-        for name in (
-            "checkpoints",
-            "checkpoints_unreadable",
-            "metrics.jsonl",
-            "curves.png",
-            "tensorboard",
-        ):
-            target = workdir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+        if diff:
+            for name in (
+                "checkpoints",
+                "checkpoints_unreadable",
+                "metrics.jsonl",
+                "curves.png",
+                "tensorboard",
+            ):
+                target = workdir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
     _write_atomic(path, config_json)
 
 
@@ -306,15 +370,35 @@ def run(
 ) -> dict[str, Any]:
     """Runs (or resumes) the experiment described by ``config`` in ``workdir``.
 
+    ``workdir`` may start with ``~``; it is locked for the run (one writer per workdir,
+    :mod:`fedorth.train.workdir`). Ctrl-C (SIGINT) or SIGTERM during the rounds stops the run
+    after the round in progress, saved; a second one stops it at once (from the newest
+    checkpoint). A finished run ends with one line: its last metrics and where its files are.
+
     Returns:
       The last row written to ``metrics.jsonl``.
+
+    Raises:
+      RunInterrupted: a signal stopped the run (a ``KeyboardInterrupt``).
+      One of :data:`USER_ERRORS`, when the input or the disk is at fault.
     """
     validate(config)  # before anything is loaded or compiled
-    workdir = pathlib.Path(workdir)
+    workdir = workdir_lib.resolve(workdir)
+    lock = workdir_lib.lock_for_all_processes(workdir)
+    try:
+        return _run_locked(config, workdir, overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any]:
     # Several processes (jax.distributed) share the checkpoints; process 0 writes the run's files
     # in workdir and process i > 0 its own copy in workdir/process_i (writers of one file race).
     files = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
-    _prepare_workdir(config, files, overwrite)
+    with _disk_space(files / "config.json", None, None):
+        _prepare_workdir(config, files, overwrite)
+    writer = MetricsWriter(files)  # refuses a file in the place of tensorboard/ at once
     experiment = builders.build(config)
     server = builders.init_server(experiment)
     # fed.strategy="auto" on one accelerator times a round of each candidate here, on copies of
@@ -322,36 +406,180 @@ def run(
     selection = experiment.round_fn.select(server, experiment.data)
     if selection is not None:
         print(fed.describe_selection(selection), file=sys.stderr)
-    _write_run_info(files, experiment.round_fn)
+    with _disk_space(files / "run_info.json", None, None):
+        _write_run_info(files, experiment.round_fn)
     rounds = int(config.fed.rounds)
     eval_every = int(config.get("eval_every", 1))  # 0: only after the last round
-    checkpointer = Checkpointer(workdir, every=int(config.get("checkpoint_every", 0)))
-    try:
-        row = _train(config, files, experiment, server, checkpointer, rounds, eval_every)
-    finally:
-        checkpointer.close()
+    checkpointer = Checkpointer(
+        workdir, every=int(config.get("checkpoint_every", 0)), config=config.to_dict()
+    )
+    # From here to the end, a signal asks for a stop after the round in progress: one that
+    # comes after the last round lets the run finish writing, and it ends as finished.
+    signals = _Signals()
+    with signals:
+        try:
+            row = _train_rounds(
+                config, files, experiment, server, checkpointer, rounds, eval_every, writer, signals
+            )
+        finally:
+            writer.close()  # TensorBoard's last events reach the file
+            checkpointer.close()
+    _summary(files, row, checkpointer)
     return row
 
 
-def _train(config, workdir, experiment, server, checkpointer, rounds, eval_every):
-    writer = MetricsWriter(workdir)
+def _summary(workdir: pathlib.Path, row: dict[str, Any], checkpointer: Checkpointer) -> None:
+    """One line at the end of a finished run: its last metrics and where its files are."""
+    shown = ", ".join(
+        f"{key} {row[key]:.4f}"
+        for key in ("train_loss", "test_loss", "test_accuracy", "test_auc")
+        if key in row
+    )
+    step = checkpointer.manager.latest_step()
+    print(
+        f"Finished round {row.get('round', step)}: {shown or 'no evaluation'}. Metrics in "
+        f"{workdir / 'metrics.jsonl'}, curves in {workdir / 'curves.png'}, TensorBoard events in "
+        f"{workdir / 'tensorboard'}, checkpoint {checkpointer.directory / str(step)}.",
+        file=sys.stderr,
+    )
+
+
+def _space_needed(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it wraps) says the disk or the user's quota is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+@contextlib.contextmanager
+def _disk_space(path: pathlib.Path, needed: int | None, checkpointer: Checkpointer | None):
+    """Turns a full disk while writing ``path`` (``needed`` bytes, if known) into one line
+    naming the file, the space and the last intact checkpoint (:class:`DiskFullError`)."""
     try:
-        return _train_rounds(
-            config, workdir, experiment, server, checkpointer, rounds, eval_every, writer
+        yield
+    except Exception as e:
+        if not _space_needed(e):
+            raise
+        if checkpointer is not None:
+            checkpointer.discard_partial_saves()  # frees what the cut save had written
+        try:
+            free = shutil.disk_usage(path.parent if path.parent.exists() else path).free
+            free_text = f"{_size(free)} free"
+        except OSError:
+            free_text = "free space unknown"
+        need_text = f"about {_size(needed)} needed, " if needed else ""
+        last = checkpointer.manager.latest_step() if checkpointer is not None else None
+        kept = (
+            f"the last intact checkpoint is {checkpointer.directory / str(last)} (the same "
+            "command resumes from it once space is freed)"
+            if last is not None
+            else "no checkpoint of this run was saved yet"
         )
-    finally:
-        writer.close()  # TensorBoard's last events reach the file
+        error = DiskFullError(
+            f"No space left on the device of {path}: it could not be written ({need_text}"
+            f"{free_text}); {kept}."
+        )
+        error.errno = errno.ENOSPC
+        raise error from None
 
 
-def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eval_every, writer):
+class _Signals:
+    """SIGINT (Ctrl-C) and SIGTERM while rounds run: the first asks the loop to stop after the
+    round in progress (saved, so nothing computed is lost; a scheduler's SIGTERM usually leaves
+    time for that), the second stops at once (``KeyboardInterrupt``; the run resumes from the
+    newest checkpoint). Installed only in the main thread (Python's signal handlers live there).
+    """
+
+    HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.HANDLED:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            try:
+                print(
+                    f"\n{signal.Signals(signum).name}: stopping after the round in progress, "
+                    "saved (again to stop at once, from the newest checkpoint).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            except OSError:
+                pass
+            return
+        for handled in self.HANDLED:  # the clean-up that follows is not interrupted again
+            signal.signal(handled, signal.SIG_IGN)
+        self.received = signum
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def _evaluate_checkpoint(server, eval_fn, comm: dict[str, float], writer: MetricsWriter) -> dict:
+    """The row of the restored round, when ``metrics.jsonl`` and TensorBoard both lack it: the
+    checkpoint's model evaluated again (the test metrics are those the run wrote; the round's
+    training metrics, e.g. ``train_loss``, and its wall clock are gone)."""
+    evaluation = jax.device_get(eval_fn(server.params, server.model_state))
+    row = {"round": int(server.round), **{k: float(v) for k, v in evaluation.items()}, **comm}
+    writer.write(row)
+    logging.warning(
+        "%s lacked the row of round %d, and TensorBoard's events too; rebuilt it by evaluating "
+        "checkpoint %d (its training metrics and wall_s cannot be rebuilt).",
+        writer.path,
+        row["round"],
+        row["round"],
+    )
+    return row
+
+
+def _train_rounds(
+    config, workdir, experiment, server, checkpointer, rounds, eval_every, writer, signals
+):
     restored = checkpointer.restore_latest(server)
     wall_offset = 0.0
     title = f"{config.fed.algorithm} on {config.data.name}"
+    comm = fed.communication_bytes(experiment.algorithm, server)
+    clients_per_round = experiment.round_config.clients_per_round
+
+    def comm_row() -> dict[str, float]:
+        return {
+            "comm_mb_up": comm["bytes_up"] / 1e6,
+            "comm_mb_down": comm["bytes_down"] / 1e6,
+            "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients_per_round / 1e6,
+        }
+
+    metrics_path = workdir / "metrics.jsonl"
+    eval_fn = builders.make_eval_fn(experiment)
     if restored is not None:
         server = restored
-        kept = writer.truncate_after(int(server.round))
-        wall_offset = kept[-1]["wall_s"] if kept else 0.0
         done = int(server.round)
+        with _disk_space(metrics_path, None, checkpointer):
+            kept = writer.resume(done, exact=comm_row())
+            if (done >= rounds or (eval_every > 0 and done % eval_every == 0)) and not any(
+                row["round"] == done for row in kept
+            ):
+                kept.append(_evaluate_checkpoint(server, eval_fn, comm_row(), writer))
+        wall_offset = max((row["wall_s"] for row in kept if "wall_s" in row), default=0.0)
         if done >= rounds:
             extend = (
                 f"rerun with a larger --config.fed.rounds (> {done}) to extend it"
@@ -366,20 +594,11 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eva
         else:
             print(f"Resumed from round {done} in {workdir}.", file=sys.stderr)
     else:
-        writer.truncate_after(-1)
+        with _disk_space(metrics_path, None, checkpointer):
+            writer.resume(-1)
 
-    comm = fed.communication_bytes(experiment.algorithm, server)
-    eval_fn = builders.make_eval_fn(experiment)
     progress = Progress(rounds, start=int(server.round))
     start = time.perf_counter()
-    clients_per_round = experiment.round_config.clients_per_round
-
-    def comm_row() -> dict[str, float]:
-        return {
-            "comm_mb_up": comm["bytes_up"] / 1e6,
-            "comm_mb_down": comm["bytes_down"] / 1e6,
-            "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients_per_round / 1e6,
-        }
 
     plotter = plots.CurvePlotter(workdir / "curves.png", title=title)
     if int(server.round) == 0 and eval_every > 0:
@@ -387,11 +606,14 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eva
         evaluation = jax.device_get(eval_fn(server.params, server.model_state))
         row0 = {"round": 0, **{k: float(v) for k, v in evaluation.items()}, **comm_row()}
         row0["wall_s"] = time.perf_counter() - start
-        writer.write(row0)
+        with _disk_space(metrics_path, len(json.dumps(row0)) + 1, checkpointer):
+            writer.write(row0)
         progress.update(0, row0)
         plotter.update(writer.rows())
     row: dict[str, Any] = writer.rows()[-1] if writer.rows() else {}
     done = int(server.round)
+    state = server.replace(key=jax.random.key_data(server.key))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a checkpoint writes
     try:
         while done < rounds:
             server, metrics = experiment.round_fn(server, experiment.data)
@@ -399,9 +621,14 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eva
             is_last = round_index == rounds
             is_eval = is_last or (eval_every > 0 and round_index % eval_every == 0)
             will_save = is_last or (checkpointer.every and round_index % checkpointer.every == 0)
+            stopping = signals.received is not None
             # Before anything of this round is written or saved (DivergenceError otherwise).
             _check_finite(
-                round_index, metrics, server, full_state=will_save, checkpointer=checkpointer
+                round_index,
+                metrics,
+                server,
+                full_state=will_save or stopping,
+                checkpointer=checkpointer,
             )
             if is_eval:
                 metrics = jax.device_get(metrics)
@@ -419,17 +646,37 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eva
                 if bad:
                     plotter.wait()
                     raise DivergenceError(
-                        f"Diverged at round {round_index}: {bad[0]} is {row[bad[0]]} although "
-                        "the parameters are finite. Nothing of this round was written or saved; "
-                        "lower optim.learning_rate or add clipping."
+                        f"Diverged at round {round_index}: {bad[0]} is {row[bad[0]]} "
+                        "although the parameters are finite. Nothing of this round was "
+                        "written or saved; lower optim.learning_rate or add clipping."
                     )
-                writer.write(row)
+                with _disk_space(metrics_path, len(json.dumps(row)) + 1, checkpointer):
+                    writer.write(row)
                 progress.update(round_index, row)
                 # Redrawn at every evaluation (in the background), so a run can be watched.
                 plotter.update(writer.rows())
             else:
                 progress.update(round_index)
-            checkpointer.save(server, force=is_last)
+            if not stopping and signals.received is not None:  # came during this round's writes
+                stopping = True
+                _check_finite(
+                    round_index, metrics, server, full_state=True, checkpointer=checkpointer
+                )
+            step_path = checkpointer.directory / str(round_index)
+            with _disk_space(step_path, state_bytes, checkpointer):
+                # A stop request saves the round just ended (unless it is the last: the
+                # run has finished, and ends as usual).
+                checkpointer.save(server, force=is_last or stopping)
+            if stopping and not is_last:
+                plotter.wait()
+                raise RunInterrupted(
+                    f"interrupted ({signal.Signals(signals.received).name}) at round "
+                    f"{round_index}; the same command resumes from round {round_index} "
+                    f"({workdir}).",
+                    signals.received,
+                )
+    except RunInterrupted:
+        raise
     except KeyboardInterrupt as e:
         plotter.wait()
         checkpointer.manager.wait_until_finished()  # a save in flight completes first
@@ -438,9 +685,14 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, rounds, eva
             f"interrupted at round {done}; the same command resumes from round "
             f"{last if last is not None else 0}"
             + ("" if last is not None else " (no checkpoint was saved yet)")
-            + f" ({workdir})."
+            + f" ({workdir}).",
+            signals.received,
         ) from e
-    checkpointer.save(server, force=True)  # a resumed run that had already finished
+    finally:
+        plotter.wait()  # no drawing outlives a failed run (its folder may be removed next)
+    with _disk_space(checkpointer.directory / str(done), state_bytes, checkpointer):
+        checkpointer.save(server, force=True)  # a resumed run that had already finished
     plotter.update(writer.rows())
-    plotter.close()
+    with _disk_space(workdir / "curves.png", None, checkpointer):
+        plotter.close()
     return row
