@@ -20,6 +20,10 @@ is named in the row's label. For each group the table gives, over its runs (seed
   unfinished run does not bias the mean with an earlier round);
 * the communication per round in MB (up + down for every sampled client, ``comm_mb_round``).
 
+A run that did not reach ``fed.rounds`` is named under the table with what happened (failed
+before its first evaluation, diverged, stopped at round r of R), and its group's round reads
+``failed`` or ``r (incomplete)``.
+
 Two runs of a group with the same ``seed`` are the same experiment, not two seeds: the report
 keeps one of them (the one with the most evaluated rounds) and warns on stderr, naming both
 folders, instead of counting it twice (which would show a spurious ``± 0.00``).
@@ -58,6 +62,23 @@ class Run:
     @property
     def score_key(self) -> str:
         return "test_auc" if any("test_auc" in row for row in self.rows) else "test_accuracy"
+
+    @property
+    def status(self) -> str | None:
+        """None for a run that reached ``fed.rounds``, else what happened to it: failed before
+        its first evaluation, diverged (a non-finite loss), or stopped at round r of R (killed,
+        interrupted, or still running)."""
+        evaluated = [row for row in self.rows if self.score_key in row]
+        if not evaluated:
+            return "failed: no evaluated round in metrics.jsonl"
+        last = self.rows[-1]
+        losses = [last.get(key) for key in ("train_loss", "test_loss")]
+        if any(isinstance(v, float | int) and not math.isfinite(v) for v in losses):
+            return f"diverged: non-finite loss at round {last['round']}"
+        rounds = self.config.get("fed", {}).get("rounds")
+        if rounds is not None and last["round"] < rounds:
+            return f"incomplete: stopped at round {last['round']} of {rounds}"
+        return None
 
 
 @dataclasses.dataclass
@@ -246,7 +267,8 @@ def summarize(group: Group) -> dict[str, Any]:
 
 
 def markdown_table(groups: Sequence[Group]) -> str:
-    """The seeds' kind of table, one row per group, as markdown."""
+    """The papers' kind of table, one row per group, as markdown; then the runs that did not
+    reach ``fed.rounds`` (:attr:`Run.status`)."""
     keys = {g.score_key for g in groups}
     score_name = "test AUC (%)" if keys == {"test_auc"} else "test acc (%)"
     if len(keys) > 1:
@@ -265,11 +287,17 @@ def markdown_table(groups: Sequence[Group]) -> str:
             score += " (AUC)"
         dataset, model, partition = group.setting
         comm = "—" if math.isnan(stats["comm"]) else f"{stats['comm']:.3f}"
+        read_at = "failed" if stats["round"] is None else str(stats["round"])
+        if stats["round"] is not None and any(run.status for run in group.runs):
+            read_at += " (incomplete)"
         lines.append(
             f"| {group.label} | {dataset} | {model} | {partition} | {n} ({seeds}) "
-            f"| {stats['round'] if stats['round'] is not None else '—'} | {score} "
-            f"| {_fmt(*stats['test_loss'], n, digits=4)} | {comm} |"
+            f"| {read_at} | {score} | {_fmt(*stats['test_loss'], n, digits=4)} | {comm} |"
         )
+    unfinished = [(run.path, run.status) for g in groups for run in g.runs if run.status]
+    if unfinished:
+        lines += ["", "Runs that did not reach fed.rounds:", ""]
+        lines += [f"* {path}: {status}" for path, status in unfinished]
     return "\n".join(lines) + "\n"
 
 

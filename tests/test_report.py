@@ -124,6 +124,30 @@ def test_unfinished_run_is_read_at_the_common_round(tmp_path):
     np.testing.assert_allclose(stats["test_loss"], (4.0, np.std([3.0, 5.0], ddof=1)))
 
 
+def test_failed_diverged_and_stopped_runs_are_named_not_dashes(tmp_path):
+    """A run without an evaluated round, one with a non-finite loss and one stopped early are
+    reported as such, under the table and in their row's round column."""
+    _write_run(tmp_path / "ok", _config(seed=1), _rows([0.5, 0.6, 0.7, 0.8], [4, 3, 2, 1]))
+    _write_run(tmp_path / "stopped", _config(seed=2), _rows([0.3, 0.4], [6, 5]))
+    _write_run(tmp_path / "failed", _config("scaffold", seed=1), [])
+    diverged = _rows([0.5, 0.1], [2.0, float("inf")])
+    _write_run(tmp_path / "diverged", _config("fedcm", seed=1), diverged)
+    text = report.report([tmp_path])
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if "| Dir" in line}
+    assert rows["scaffold"].split(" | ")[5] == "failed", rows["scaffold"]
+    assert rows["fedavg"].split(" | ")[5] == "10 (incomplete)", rows["fedavg"]
+    assert rows["fedcm"].split(" | ")[5] == "10 (incomplete)", rows["fedcm"]
+    notes = text.split("Runs that did not reach fed.rounds:\n\n")[1].splitlines()
+    assert sorted(notes) == sorted(
+        [
+            f"* {(tmp_path / 'stopped').resolve()}: incomplete: stopped at round 10 of 20",
+            f"* {(tmp_path / 'failed').resolve()}: failed: no evaluated round in metrics.jsonl",
+            f"* {(tmp_path / 'diverged').resolve()}: diverged: non-finite loss at round 10",
+        ]
+    ), notes
+    assert "Runs that did not reach" not in report.report([tmp_path / "ok"])
+
+
 def test_other_config_differences_split_groups_and_are_named(tmp_path):
     for lr in (0.1, 0.05):
         for seed in (1, 2):
