@@ -22,7 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench import budget, cli, flops, jax_loop, presets, rounds, runners, workloads
+from experiments.bench import (
+    budget,
+    cli,
+    flops,
+    jax_loop,
+    output,
+    presets,
+    rounds,
+    runners,
+    workloads,
+)
 from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.round import resolve_strategy
@@ -286,6 +296,17 @@ def _bench_imports() -> dict[str, tuple[set[str], list[str]]]:
             (top.update if node in tree.body else nested.extend)(targets)
         found[path.stem] = (top - {path.stem}, nested)
     return found
+
+
+def test_bench_finds_the_checkout_it_runs_from():
+    """The JSON header's commit is this checkout's HEAD, and the PyTorch peer is the checkout's
+    benchmarks/torch_peer.py (both found from the package's own path)."""
+    head = subprocess.run(
+        ["git", "-C", os.path.dirname(cli.__file__), "rev-parse", "HEAD"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert output.project_commit() == head
+    assert runners.TORCH_PEER.is_file() and runners.TORCH_PEER.parent.name == "benchmarks"
 
 
 def test_bench_package_has_no_import_cycle_and_no_lazy_imports():

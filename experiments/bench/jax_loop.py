@@ -8,8 +8,9 @@ into batch, model and optimizer keys), the local optimizer is the algorithm's ``
 warm start keeps the leaves of the algorithm's ``aggregate_mask`` (FedPAC's Θ, FedLADA's second
 moment) and restarts the others, the optimizer states are averaged by
 `fedorth.optim.federated.average_states` and the server step is the algorithm's ``server_tx``
-and ``server_rule``. tests/test_bench.py runs every design-axis value `supports` accepts for 3
-rounds against ``fed.make_round_fn`` and requires the two to agree to float32 rounding.
+and ``server_rule``; `unsupported` names the design-axis values it does not implement.
+tests/test_bench.py runs the bench's algorithms and each other path of the loop for 3 rounds
+against ``fed.make_round_fn`` and requires the two to agree to float32 rounding.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def write_json(path: str, result: dict[str, Any]) -> None:
 
 def project_commit() -> str | None:
     """HEAD of this checkout (the directory holding experiments/), None outside a git checkout."""
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
     done = subprocess.run(

@@ -26,6 +26,9 @@ from fedorth.fed.metrics import tree_bytes
 from fedorth.fed.round import client_conv_trace_mode
 from fedorth.models.layers import resolve_conv_impl
 
+# The PyTorch peer's module in this checkout (benchmarks/ is not a package).
+TORCH_PEER = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "torch_peer.py"
+
 
 class FedorthRunner:
     """One jitted round per call (``fed.make_round_fn``)."""
@@ -205,8 +208,7 @@ def load_torch_peer():
     """benchmarks/torch_peer.py of this checkout, imported by path (it is not a package)."""
     if "benchmarks.torch_peer" in sys.modules:
         return sys.modules["benchmarks.torch_peer"]
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "torch_peer.py"
-    spec = importlib.util.spec_from_file_location("benchmarks.torch_peer", path)
+    spec = importlib.util.spec_from_file_location("benchmarks.torch_peer", TORCH_PEER)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
