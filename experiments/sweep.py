@@ -27,6 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import catalog
 from experiments.catalog import ConfigArgumentError, resolve_config_argv
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
@@ -67,7 +68,6 @@ def main(argv):
     from fedorth.sweep import Grid, SweepError
     from fedorth.sweep.grid import config_section
     from fedorth.sweep.runner import run_sweep
-    from fedorth.train import validate
 
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -80,8 +80,13 @@ def main(argv):
             del config["sweep"]
     values.update(_GRID)
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    dropped = validate.drop_foreign_keys(config, overrides)
-    for note in validate.switch_notes(config, dropped):
+    spec = config_flags.get_config_filename(flags.FLAGS["config"])
+    try:  # switches of model, optimizer (and its learning rate) and algorithm, as a run's
+        notes = catalog.apply_switches(config, overrides, spec)
+    except ConfigArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
         print(note, file=sys.stderr)
     try:
         grid = Grid(config, values)

@@ -3,13 +3,14 @@ r"""The ``fedorth`` command, installed with the package.
     fedorth run --config=fedpac_soap --workdir=runs/fedpac_soap [--config.KEY=VALUE ...]
     fedorth list
     fedorth config fedpac_soap:cifar100_resnet18 [--config.KEY=VALUE ...]
+    fedorth sweep --config=fedavg --workdir=runs/sweep --sweep.seed=42,43,44
     fedorth report runs/ --no-plot
     fedorth prepare cifar100
 
-``fedorth run`` is ``python -m experiments.main``, ``report`` and ``prepare`` are
-``python -m experiments.report`` and ``.prepare``; ``list`` is ``--list``; ``config`` prints the
-config a run would write to ``config.json``, after the command line's overrides and switches,
-without running it.
+``fedorth run`` is ``python -m experiments.main``; ``sweep``, ``report`` and ``prepare`` are
+``python -m experiments.sweep``, ``.report`` and ``.prepare``; ``list`` is ``--list``;
+``config`` prints the config a run would write to ``config.json``, after the command line's
+overrides and switches, without running it.
 
 Unlike ``python -m experiments.main``, which imports ``experiments`` and ``configs`` from the
 current directory first, the command finds the ``experiments`` and ``configs`` packages shipped
@@ -40,14 +41,14 @@ commands:
            and optimizers
   config   print the config a run would use, without running it:
              fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]
+  sweep    a grid of seeds and hyperparameters of one config as one compiled program:
+             fedorth sweep --config=NAME[:PRESET] --workdir=DIR --sweep.seed=42,43,44 ...
   report   tabulate and plot runs, seeds aggregated: fedorth report DIR ... [--no-plot]
-  prepare  prepare a TFDS dataset once: fedorth prepare NAME [--data_dir=DIR]{sweep}
+  prepare  prepare a TFDS dataset once: fedorth prepare NAME [--data_dir=DIR]
 
 `fedorth COMMAND --help` lists a command's flags. `fedorth run` takes the arguments of
 `python -m experiments.main` (README.md, "Running experiments").
 """
-
-_SWEEP_HELP = "\n  sweep    several runs of one config over seeds and values: fedorth sweep --help"
 
 
 def shipped_package(name: str) -> types.ModuleType:
@@ -78,10 +79,6 @@ def shipped_package(name: str) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _has_sweep() -> bool:
-    return (_ROOT / "experiments" / "sweep.py").is_file()
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -165,37 +162,39 @@ def _prepare(argv: Sequence[str]) -> int:
 
 
 def _sweep(argv: Sequence[str]) -> int:
+    from absl import app
+
     from experiments import sweep
 
-    return sweep.main(list(argv)) or 0
+    sys.argv = ["fedorth sweep", *argv]
+    app.run(sweep.main, flags_parser=sweep.flags_parser)  # exits
+    return 0
 
 
 COMMANDS = {
     "run": _run,
     "list": _list,
     "config": _config,
+    "sweep": _sweep,
     "report": _report,
     "prepare": _prepare,
-    "sweep": _sweep,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``fedorth`` console script (``[options.entry_points]`` in setup.cfg)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = [c for c in COMMANDS if c != "sweep" or _has_sweep()]
-    usage = USAGE.format(sweep=_SWEEP_HELP if _has_sweep() else "")
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage, end="")
+        print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] == "--version":
         from fedorth import __version__
 
         print(f"fedorth {__version__}")
         return 0
-    if argv[0] not in commands:
+    if argv[0] not in COMMANDS:
         return _error(
-            f"unknown command {argv[0]!r}; commands: {', '.join(commands)} (fedorth --help)"
+            f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (fedorth --help)"
         )
     # Before anything loads NumPy or JAX: experiments/__init__.py sets the process-wide thread
     # and CPU-device settings; then `import experiments` / `configs` are the shipped packages.

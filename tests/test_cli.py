@@ -340,7 +340,7 @@ def fedorth(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
 def test_fedorth_command_finds_the_shipped_configs_beside_a_users_folders(user_dir):
     out = fedorth(user_dir, "--help")
     assert out.returncode == 0 and "commands:" in out.stdout, out.stderr
-    for command in ("run", "list", "config", "report", "prepare"):
+    for command in ("run", "list", "config", "sweep", "report", "prepare"):
         assert f"\n  {command} " in out.stdout, command
     # `config` prints what config.json would hold; `run` resolves the same file and stops at
     # validation (fed.rounds=0) before compiling anything.
