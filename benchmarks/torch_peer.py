@@ -1,6 +1,6 @@
 """PyTorch peer of ``python -m experiments.bench round``: the same rounds, written PyTorch-style.
 
-Written for this comparison, in the style of the seeds' released code (PyTorch): one model object,
+Written for this comparison, in the style of the papers' released code (PyTorch): one model object,
 the sampled clients in a Python loop, each client loading the global weights
 (``load_state_dict``), running ``K`` local steps with a ``torch.optim`` optimizer
 (``zero_grad``/``backward``/``step``) on mini-batches drawn with replacement from its own

@@ -71,7 +71,7 @@ BYTE_VOCAB_SIZE = 257
 PAD_ID, UNK_ID = 0, 1
 
 # Per-channel mean and std over all pixels of each training split (pixels scaled to [0, 1]).
-# (Some code bases, the seeds' included, use CIFAR std (0.2023, 0.1994, 0.2010): the mean of
+# (Some code bases, the papers' included, use CIFAR std (0.2023, 0.1994, 0.2010): the mean of
 # per-image stds, not the pixel std.)
 IMAGE_STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "mnist": ((0.1307,), (0.3081,)),

@@ -1,4 +1,4 @@
-"""Flax models of the seed papers, chosen by name: `get_model(name, **kwargs) -> Model`.
+"""Flax models of the papers, chosen by name: `get_model(name, **kwargs) -> Model`.
 
 | name | model | source |
 | --- | --- | --- |

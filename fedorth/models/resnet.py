@@ -11,13 +11,12 @@ shape changes, then ReLU. Convolutions have no bias. With BatchNorm and 10 class
 11,173,962 parameters (the well-known CIFAR ResNet-18 count; GroupNorm has the same count, and
 BatchNorm adds 9,600 running statistics in `batch_stats`).
 
-Normalization per seed: FedPAC (Liu et al.) (Appendix D.3) compares BN and GN and uses BN
-("ResNet-18-BN");
-FedMuon-LMO (§7.1) uses GroupNorm "following Hsieh et al. (2020)", who, like Reddi et al. (2021),
-use GroupNorm with **2 groups**: hence `num_groups=2` by default for `norm="group"`. FedMuon (Liu
-et al.) and
-002 do not say. BatchNorm uses PyTorch's defaults (momentum 0.1, i.e. Flax momentum 0.9, ε = 1e-5)
-since the seeds' code is PyTorch. Kernels use Flax's default LeCun-normal initialization.
+Normalization per paper: FedPAC (Liu et al.) (Appendix D.3) compares BN and GN and uses BN
+("ResNet-18-BN"); FedMuon-LMO (§7.1) uses GroupNorm "following Hsieh et al. (2020)", who, like
+Reddi et al. (2021), use GroupNorm with **2 groups**: hence `num_groups=2` by default for
+`norm="group"`. FedMuon (Liu et al.) and FedMuon (Zhang & Gao) do not say. BatchNorm uses
+PyTorch's defaults (momentum 0.1, i.e. Flax momentum 0.9, ε = 1e-5) since the papers' code is
+PyTorch. Kernels use Flax's default LeCun-normal initialization.
 `width` scales every channel count (64·width, ...) for reduced-width benchmarks and tests.
 """
 

@@ -129,7 +129,7 @@ def rnn(
 
     Args:
       num_classes: 2 (binary sentiment).
-      hidden_size: 4096 in the seeds; smaller for tests.
+      hidden_size: 4096 in the papers; smaller for tests.
       num_layers: stacked recurrent layers (2: "two-layer RNN", Fed minimax (Zhang & Gao)).
       vocab_size: vocabulary for token-id inputs; None for precomputed 300-d vectors only.
       embed_dim: input dimension (300).

@@ -8,7 +8,7 @@ p×p stride-p convolution whose kernel is this Dense kernel reshaped to (p, p, C
 
 `vit_tiny` — FedPAC (Liu et al.) Appendix D.4 (docs/PAPERS.md): 32×32 input,
 patch 4 (64 tokens), dim 192, 6 layers, 3 heads, pre-LN, GELU, Xavier/Glorot linear init,
-sinusoidal positional encoding, dropout 0.1 "to both attention and MLP layers". The seed leaves
+sinusoidal positional encoding, dropout 0.1 "to both attention and MLP layers". The paper leaves
 open (our choices, from the standard ViT/DeiT-Ti): MLP ratio 4 (hidden 768), classification from
 a CLS token, qkv bias, 1-D sinusoids over the 65 token positions (CLS = position 0), dropout 0.1 on
 the attention probabilities, the attention output projection and both MLP layers, no embedding
@@ -262,7 +262,7 @@ def vit_tiny(
       dim: embedding dimension (192).
       depth: encoder layers (6).
       num_heads: attention heads (3).
-      mlp_ratio: MLP hidden width / dim (4, the ViT/DeiT value; the seed does not state it).
+      mlp_ratio: MLP hidden width / dim (4, the ViT/DeiT value; the paper does not state it).
       dropout: on attention probabilities, attention output and MLP (0.1).
       pool: `"cls"` (default) or `"mean"`.
       dtype: `"float32"` or `"bfloat16"` (mixed precision: `layers.compute_dtype`).

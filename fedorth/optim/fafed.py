@@ -29,8 +29,8 @@ on the same batch, at the client's own previous iterate ``x_i^prev`` (the point 
 kept per client across rounds: :func:`fafed_persistent_mask`), ``u = g(x-bar) + (1 - a)(u-bar -
 g(x_i^prev))``; ``A`` uses the averaged ``v-bar`` the round starts with.
 
-Sources. The paper's Alg. 1 box could not be read in issue 23's source check (the search tools
-return its abstract only; what is said of the box here is from earlier notes). The one
+Sources. The paper's Alg. 1 box could not be read (only its abstract could be reached; what is
+said of the box here is from earlier notes). The one
 implementation found is a PyTorch ``FAFED(train_set, test_set, model, args, device)``:
 naya0000/FaFed, ``code/Image/FAFED.py`` and ``code/NLP/FAFED.py`` at commit fd3e4c1 (2023-10-24;
 Xiao-Chenguang/FaFed is a fork of it). Its structure (``Iteration % args.inLoop`` communication,
@@ -45,14 +45,14 @@ fedorth does not have: ``ext = 1``). It differs at round boundaries:
 
 * its STORM correction of the first step after an averaging uses the client's own previous
   iterate (``model_`` is not reset), ``g(x-bar) + (1 - alpha)(u-bar - g(x_i^{K-1}))``. fedorth
-  does the same since issue 23 (the algorithm's ``persistent_mask``); before, it used ``x-bar``,
-  which made that step ``a g(x-bar) + (1 - a) u-bar``, without the correction (with one local
-  step per round, no variance reduction at all). tests/test_baseline_sources.py transcribes the
+  does the same (the algorithm's ``persistent_mask``): with ``x-bar`` there, that step would be
+  ``a g(x-bar) + (1 - a) u-bar``, without the correction (with one local step per round, no
+  variance reduction at all). tests/test_baseline_sources.py transcribes the
   loop and checks the engine against it;
 * its run starts with one communication (``m_0``, ``v_0`` the means of the clients' first
   gradients and of their squares, one plain SGD step ``x_1 = x_0 - lr m_0`` before round 1's own
-  steps). fedorth does the same since issue 23 (above); before, it started from per-client ``u_0
-  = g_0``, ``v_0 = g_0^2``. Its start batch is the pre-pass's (local step index ``K``), not the
+  steps). fedorth does the same (rather than per-client ``u_0 = g_0``, ``v_0 =
+  g_0^2``). Its start batch is the pre-pass's (local step index ``K``), not the
   data loader's first batch, and the per-round communication count leaves this one-time exchange
   out. The NLP script also clips both gradients by norm (``args.clip``); fedorth does not.
 

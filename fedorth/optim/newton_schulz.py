@@ -148,7 +148,7 @@ def default_ns_dtype(platform: str | None = None) -> str:
     `"bfloat16"` on accelerators (`"gpu"`, `"tpu"`, ...): the Muon reference
     (github.com/KellerJordan/Muon, `zeropower_via_newtonschulz5`) runs the iteration in bfloat16,
     and NS only needs its singular values in a band around 1 (Jordan's quintic lands in
-    [0.68, 1.13] anyway), while float32 products on a GPU run at TF32 or slower (issue 22: a
+    [0.68, 1.13] anyway), while float32 products on a GPU run at TF32 or slower (on an H100 a
     float32-HIGHEST NS made an mlp FedPAC_Muon round 1.74x the PyTorch peer). `"float32"` on
     `"cpu"`: XLA:CPU has no fast bfloat16 dot, so bfloat16 there costs time and precision and
     buys nothing (measured on the 2-core development CPU, jit, 5 Jordan steps on 768 × 192:

@@ -1,1 +1,1 @@
-"""Theory toys of the seed papers: small problems with closed-form stationarity measures."""
+"""Theory toys of the papers: small problems with closed-form stationarity measures."""

@@ -4,7 +4,8 @@ r"""Federated toy problems with known optima, for the theory notebooks.
   ``f_1(x) = x^2/2``, ``f_2(x) = (x + a)^2/2``, ``x_0 = -a/4``: Local Muon never moves.
 * :func:`quadratic_problem`: clients with heterogeneous matrix quadratics
   ``f_i(W) = 1/2 <W - B_i, H_i (W - B_i)>`` (``H_i`` symmetric positive definite, acting on the
-  rows of ``W``) and optional injected heavy-tailed gradient noise (FedMuon (Zhang & Gao)/003).
+  rows of ``W``) and optional injected heavy-tailed gradient noise (FedMuon (Zhang & Gao), Fed
+  minimax (Zhang & Gao)).
 
 Each returns a :class:`ToyProblem`: the engine-facing ``loss_fn(params, model_state, batch, key)``
 and ``batch_fn(data, client_id, key)`` of :func:`fedorth.fed.make_round_fn`, the client data, the
