@@ -298,6 +298,42 @@ def _bench_imports() -> dict[str, tuple[set[str], list[str]]]:
     return found
 
 
+def _documented_bench_commands() -> list[tuple[str, list[str]]]:
+    """Every ``python -m experiments.bench ...`` command in README.md, docs/ and benchmarks/
+    (inline code spans and code blocks, continuation lines joined), as (where, argv)."""
+    import pathlib
+    import shlex
+
+    root = pathlib.Path(cli.__file__).resolve().parents[2]
+    found = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md")),
+                 *sorted((root / "benchmarks").glob("*.md"))]:  # fmt: skip
+        text = path.read_text().replace("\\\n", " ")
+        spans = re.findall(r"`(python -m experiments\.bench\b[^`]*)`", text)
+        spans += re.findall(r"^\s*(python -m experiments\.bench\b.*)$", text, flags=re.M)
+        for span in spans:
+            command = re.split(r"&&|;|\||>", " ".join(span.split()))[0]
+            found.append((str(path.relative_to(root)), shlex.split(command)[3:]))
+    return found
+
+
+def test_every_documented_bench_command_parses():
+    """The benchmark commands the documentation gives name a registered subcommand whose
+    options parse (the subcommand module's parse_args, as ``main`` runs it)."""
+    commands = _documented_bench_commands()
+    assert len(commands) >= 15 and {"round", "optim"} <= {argv[0] for _, argv in commands}
+    for where, argv in commands:
+        assert argv and argv[0] in cli.SUBCOMMANDS, (where, argv)
+        module = sys.modules[cli.SUBCOMMANDS[argv[0]].__module__]
+        assert hasattr(module, "parse_args"), (
+            f"{module.__name__} needs parse_args(argv) beside main (experiments/bench/__init__.py)"
+        )
+        try:
+            module.parse_args(argv[1:])
+        except SystemExit as exit_:
+            raise AssertionError(f"{where}: {' '.join(argv)} does not parse") from exit_
+
+
 def test_bench_finds_the_checkout_it_runs_from():
     """The JSON header's commit is this checkout's HEAD, and the PyTorch peer is the checkout's
     benchmarks/torch_peer.py (both found from the package's own path)."""

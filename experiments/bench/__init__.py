@@ -4,8 +4,9 @@
     python -m experiments.bench round [--quick] [--json out.json]        # one federated round
 
 The subcommands are registered by name in `experiments.bench.cli.SUBCOMMANDS`; each is a
-function ``main(argv: list[str]) -> int`` in its own module. The modules, by job (imports go
-down this list, never up, so the package has no import cycle):
+function ``main(argv: list[str]) -> int`` in its own module, beside that module's
+``parse_args(argv)`` (tests/test_bench.py parses every documented command with it). The
+modules, by job (imports go down this list, never up, so the package has no import cycle):
 
 * `measure` (synchronized timing, the reference matmul, compilations, memory), `flops` (model
   and Newton–Schulz FLOPs), `budget` (``--budget-s`` and interleaved repeats);
@@ -15,8 +16,8 @@ down this list, never up, so the package has no import cycle):
   `presets` (``--preset targets``), `output` (tables, JSON);
 * `optim` and `rounds`: the subcommands; `cli`: the registry and ``main``.
 
-To add a subcommand: write its module with ``main(argv) -> int`` and add it to
-`cli.SUBCOMMANDS`.
+To add a subcommand: write its module with ``parse_args(argv)`` and ``main(argv) -> int``, and
+add ``main`` to `cli.SUBCOMMANDS`.
 
 Importing the package sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) before any of its modules can
 load torch: libgomp's default active spin-waiting makes the PyTorch peer collapse when the cores

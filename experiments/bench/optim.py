@@ -130,8 +130,9 @@ def bench_newton_schulz(shape, *, steps, repeats, warmup) -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``python -m experiments.bench optim``."""
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of ``python -m experiments.bench optim``; ``optimizers`` and ``shapes`` parsed
+    into a list of names and a list of shapes."""
     parser = argparse.ArgumentParser(prog="python -m experiments.bench optim")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated, e.g. 256x256")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement")
@@ -144,11 +145,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
-    chosen = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = sorted(set(chosen) - set(OPTIMIZERS))
+    args.optimizers = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = sorted(set(args.optimizers) - set(OPTIMIZERS))
     if unknown:
         parser.error(f"unknown --optimizers {unknown}; valid: {list(OPTIMIZERS)}")
-    shapes = parse_shapes(args.shapes)
+    args.shapes = parse_shapes(args.shapes)
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m experiments.bench optim``."""
+    args = parse_args(argv)
+    chosen, shapes = args.optimizers, args.shapes
     timing = dict(repeats=args.repeats, warmup=args.warmup)
     device = jax.devices()[0]
     versions = f"jax {jax.__version__}, optax {optax.__version__}"
