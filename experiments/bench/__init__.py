@@ -2,6 +2,7 @@
 
     python -m experiments.bench optim [--shapes ...] [--json out.json]   # one optimizer update
     python -m experiments.bench round [--quick] [--json out.json]        # one federated round
+    python -m experiments.bench sweep [--section cpu|gpu] [--json out.json] # replicas vs runs
 
 The subcommands are registered by name in `experiments.bench.cli.SUBCOMMANDS`; each is a
 function ``main(argv: list[str]) -> int`` in its own module, beside that module's

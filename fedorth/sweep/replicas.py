@@ -30,7 +30,7 @@ changes no batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -121,6 +121,8 @@ class ReplicaRound:
       names: the replicas' names (their folders).
       strategy: one of :data:`REPLICA_STRATEGIES`.
       chunk_size: replicas per vmapped chunk (0: all at once).
+      build: builds a replica's experiment from its config (``builders.build``; a benchmark
+        passes one on random data).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class ReplicaRound:
         *,
         strategy: str = "auto",
         chunk_size: int = 0,
+        build: Callable[[ml_collections.ConfigDict], builders.Experiment] = builders.build,
     ):
         if chunk_size < 0:
             raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
@@ -139,7 +142,7 @@ class ReplicaRound:
         self.traced_keys = list(traced_keys)
         self.replicas: list[Replica] = []
         for name, values, config in zip(names, replicas, configs, strict=True):
-            self.replicas.append(Replica(name, dict(values), config, builders.build(config)))
+            self.replicas.append(Replica(name, dict(values), config, build(config)))
         first = self.replicas[0].experiment
         self.config = first.config
         self.model = first.model
@@ -174,7 +177,7 @@ class ReplicaRound:
         self.check_traceable()
 
     @classmethod
-    def from_grid(cls, grid, *, strategy: str = "auto", chunk_size: int = 0) -> ReplicaRound:
+    def from_grid(cls, grid, *, strategy: str = "auto", chunk_size: int = 0, **kwargs):
         """The replicas of a :class:`fedorth.sweep.Grid`, named by :func:`replica_name`."""
         replicas = grid.replicas()
         return cls(
@@ -184,6 +187,7 @@ class ReplicaRound:
             [replica_name(values) for values in replicas],
             strategy=strategy,
             chunk_size=chunk_size,
+            **kwargs,
         )
 
     # -- data ---------------------------------------------------------------------------------
