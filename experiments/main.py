@@ -49,9 +49,9 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processe
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, n).")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_s",
-    100,
-    "With --distributed: seconds without a heartbeat after which a process counts as dead and "
-    "the others stop with JAX's message naming it.",
+    10,
+    "With --distributed: seconds without a heartbeat after which a silent process (a host that "
+    "lost power) counts as dead and the others stop; a killed process is found in about 2 s.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -94,19 +94,16 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    if _DISTRIBUTED.value or _COORDINATOR.value:
-        import jax
+    distributed = _DISTRIBUTED.value or _COORDINATOR.value
+    if distributed:
+        from fedorth.train import distributed as multiprocess
 
-        # CPU processes all-reduce through gloo (accelerators use their own collectives).
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # Arguments left as None are detected from the cluster (SLURM, Open MPI, TPU pods).
-        jax.distributed.initialize(
+        multiprocess.initialize(
             _COORDINATOR.value,
             _NUM_PROCESSES.value,
             _PROCESS_ID.value,
-            heartbeat_timeout_seconds=_HEARTBEAT.value,
+            heartbeat_timeout_s=_HEARTBEAT.value,
         )
-        jax.devices()  # every process exchanges its devices now, before one can fail alone
     config = _CONFIG.value
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
     spec = config_flags.get_config_filename(flags.FLAGS["config"])
@@ -127,6 +124,10 @@ def main(argv):
             signal.signal(signum, signal.SIG_IGN)
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
         sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
+    except Exception:
+        if distributed:  # a collective failed because a process died: one line naming it
+            multiprocess.exit_if_peers_lost()
+        raise
 
 
 if __name__ == "__main__":

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NUM_OPS = 15
-_FILL = jnp.asarray([0.485, 0.456, 0.406])  # timm's fill: the ImageNet mean
+# timm's fill: the ImageNet mean. NumPy, not jnp: nothing may start a JAX backend at import
+# (jax.distributed.initialize must come first).
+_FILL = np.asarray([0.485, 0.456, 0.406], np.float32)
 
 
 def resize(images: jax.Array, size: int) -> jax.Array:

@@ -1,0 +1,242 @@
+"""Several processes (``python -m experiments.main --distributed``): start ``jax.distributed``, and
+when a process of the run dies, stop the others within seconds with one line naming it.
+
+Two ways a process is lost, both ending in ``exit_if_peers_lost``'s line and exit code 1:
+
+* Killed or crashed: its connections reset, so the others' next collective fails at once (gloo on
+  CPU: "Connection reset by peer", an error that names no process) and ``experiments.main``
+  asks; losing the coordinator makes JAX's error-polling thread abort at once.
+* Silent (a frozen or unplugged host): JAX's heartbeat finds it after ``heartbeat_timeout_s``
+  and aborts every other process.
+
+JAX's abort (a fatal log record, a C++ stack, Python's thread dump: 70-90 lines) is replaced by
+a C-level SIGABRT handler, and the fatal record by a filter on file descriptor 2. Which process
+is lost: each process stamps a counter in the coordinator's key-value store twice a second and
+reads the others'; a process whose counter stood still for ``_SILENT_S`` is dead, and when the
+coordinator no longer accepts connections, it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+
+import jax
+from jax._src import distributed as jax_distributed  # its client: orbax's multihost uses it too
+from jax._src.lib import utils as lib_utils
+
+HEARTBEAT_TIMEOUT_S = 10  # JAX's default, 100 s, leaves the others waiting for minutes
+_STAMP_EVERY_S = 0.5
+_SILENT_S = 2.0  # four missed stamps: dead, not slow (the stamps come from their own thread)
+_PREFIX = "fedorth/"
+
+
+def initialize(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+) -> None:
+    """``jax.distributed.initialize`` with gloo collectives on CPU; a lost process named.
+
+    Arguments left as None are detected from the cluster (SLURM, Open MPI, TPU pods). Must run
+    before anything starts a JAX backend (no fedorth module does so at import).
+    """
+    # CPU processes all-reduce through gloo (accelerators use their own collectives).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        # A process lost during the final barrier is found by the heartbeat; no longer wait.
+        shutdown_timeout_seconds=max(2 * heartbeat_timeout_s, 30),
+    )
+    # The coordination service's errors and warnings about a lost process (a dozen lines): the
+    # line naming it replaces them.
+    lib_utils.absl_set_min_log_level(3)
+    jax.devices()  # every process exchanges its devices now, before one can fail alone
+    _Liveness.start()
+    _StderrFilter.start()
+    _on_abort.handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(_on_abort)  # kept alive
+    ctypes.CDLL(None).signal(signal.SIGABRT, _on_abort.handler)
+
+
+def exit_if_peers_lost() -> None:
+    """After an error: if processes of the run are lost, one line naming them, exit code 1.
+
+    Returns (for the caller to raise its error) when every process is alive. Waits up to
+    ``_SILENT_S`` seconds for a lost process's counter to stand still. Exits at once, not through
+    JAX's shutdown barrier, which would wait for the lost process and then abort.
+    """
+    liveness = _Liveness.instance
+    if liveness is None:
+        return
+    dead = liveness.dead_processes(wait=True)
+    if dead:
+        _exit(liveness.message(dead), 1)
+
+
+def _on_abort(signum: int) -> None:
+    """SIGABRT, raised by JAX's error-polling thread (in it, while gRPC waits on it: no RPC)."""
+    liveness = _Liveness.instance
+    dead = liveness.dead_processes(wait=False) if liveness else []
+    if dead:
+        _exit(liveness.message(dead), 1)
+    # Another fatal error: what the filter held back explains it.
+    _exit(_StderrFilter.held_back(), 134)
+
+
+_EXITING = threading.Lock()
+
+
+def _exit(text: str, code: int) -> None:
+    if not _EXITING.acquire(blocking=False):  # the other thread is saying it
+        time.sleep(60)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe: nothing more to say there
+            pass
+    _StderrFilter.stop()
+    os.write(2, text.encode())
+    os._exit(code)
+
+
+class _Liveness:
+    """This process's counter in the coordinator's key-value store, and when the others' moved."""
+
+    instance: _Liveness | None = None
+
+    def __init__(self):
+        self.client = jax_distributed.global_state.client
+        self.coordinator = jax_distributed.global_state.coordinator_address or ""
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.stop = threading.Event()
+        self.client.key_value_set(
+            f"{_PREFIX}name/{self.me}", f"pid {os.getpid()} on {socket.gethostname()}"
+        )
+        self.names = {
+            i: self.client.blocking_key_value_get(f"{_PREFIX}name/{i}", 60_000)
+            for i in range(self.count)
+        }
+        self.names[0] += f", the coordinator at {self.coordinator}"
+        now = time.monotonic()
+        self.seen = {i: (None, now) for i in range(self.count) if i != self.me}
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._beat, name="fedorth-liveness", daemon=True)
+
+    @classmethod
+    def start(cls) -> None:
+        if jax_distributed.global_state.client is None or cls.instance is not None:
+            return
+        cls.instance = cls()
+        cls.instance.thread.start()
+        # atexit runs last-registered first: the thread stops before jax shuts the client down.
+        atexit.register(cls.instance.stop.set)
+
+    def _beat(self) -> None:
+        beat = 0
+        while not self.stop.is_set():
+            try:
+                self.client.key_value_set(f"{_PREFIX}alive/{self.me}", str(beat), True)
+                entries = self.client.key_value_dir_get(f"{_PREFIX}alive/")
+            except Exception:  # the coordinator is gone: dead_processes finds it
+                return
+            now = time.monotonic()
+            with self.lock:
+                for key, value in entries:
+                    i = int(key.rsplit("/", 1)[-1])
+                    if i in self.seen and self.seen[i][0] != value:
+                        self.seen[i] = (value, now)
+            beat += 1
+            self.stop.wait(_STAMP_EVERY_S)
+
+    def dead_processes(self, *, wait: bool) -> list[int]:
+        """The other processes lost: the coordinator if it refuses connections, else those
+        whose counter stood still for ``_SILENT_S`` (waiting for that, with ``wait``)."""
+        if self.me != 0 and not self._coordinator_answers():
+            return [0]
+        deadline = time.monotonic() + (_SILENT_S + 2 * _STAMP_EVERY_S if wait else 0)
+        while True:
+            now = time.monotonic()
+            with self.lock:
+                dead = [i for i, (_, moved) in self.seen.items() if now - moved > _SILENT_S]
+            if dead or now >= deadline:
+                return dead
+            time.sleep(_STAMP_EVERY_S / 2)
+
+    def _coordinator_answers(self) -> bool:
+        host, _, port = self.coordinator.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=_SILENT_S):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def message(self, dead: list[int]) -> str:
+        who = ", ".join(f"process {i} ({self.names[i]})" for i in dead)
+        return (
+            f"error: {who} of the run's {self.count} stopped (killed, crashed or unreachable: its "
+            f"own output says why), so process {self.me} stops too. Start the same command on "
+            "every process again: the run resumes from its last checkpoint.\n"
+        )
+
+
+class _StderrFilter:
+    """File descriptor 2 through a pipe, forwarded by a thread up to JAX's first fatal record.
+
+    What the C++ runtime writes once it logs a fatal error (the record, a 10-frame stack) is held
+    back: the process is about to end, and the line naming the lost process says why.
+    """
+
+    _FATAL = re.compile(rb"(?:^|\n)F\d{4} \d\d:\d\d:\d\d")
+    instance: _StderrFilter | None = None
+
+    def __init__(self):
+        self.original = os.dup(2)
+        self.read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self.kept = bytearray()
+        self.thread = threading.Thread(target=self._forward, name="fedorth-stderr", daemon=True)
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.instance is None:
+            cls.instance = cls()
+            cls.instance.thread.start()
+            atexit.register(cls.stop)  # everything written before the exit gets out
+
+    @classmethod
+    def stop(cls) -> None:
+        """Points fd 2 back at the terminal or file; the thread forwards what is left and ends."""
+        if cls.instance is not None:
+            os.dup2(cls.instance.original, 2)  # closes the pipe's last writer: end of file
+            cls.instance.thread.join(timeout=5)
+
+    @classmethod
+    def held_back(cls) -> str:
+        cls.stop()
+        return cls.instance.kept[:4000].decode(errors="replace") if cls.instance else ""
+
+    def _forward(self) -> None:
+        holding = False
+        while chunk := os.read(self.read, 65536):
+            if not holding and (fatal := self._FATAL.search(chunk)):
+                cut = fatal.start() + fatal.group().startswith(b"\n")
+                os.write(self.original, chunk[:cut])
+                chunk, holding = chunk[cut:], True
+            if holding:
+                self.kept += chunk[: max(0, 8000 - len(self.kept))]
+            else:
+                os.write(self.original, chunk)
+        os.close(self.read)
