@@ -19,6 +19,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # PAPER_DIRICHLET instead)
     config.data.partition = "dirichlet_label_split"
     config.data.alpha = 0.3  # Dirichlet concentration (smaller = more heterogeneous)
+    # Training examples held out as a validation split (val_loss, val_accuracy in the metrics):
+    # experiments.report picks learning rates on it, not on the test split. 0: none.
+    config.data.validation_fraction = 0.0
     config.data.augment = False  # on-device random crop + flip (CIFAR-style images)
     config.data.rand_augment = False  # on-device RandAugment m9 n2 (ViT/Swin fine-tuning)
     config.data.image_size = 0  # resize batches to this square size on device (0: native)

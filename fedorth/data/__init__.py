@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from fedorth.data import embedded, glue, heavy_tailed, tfds
@@ -112,6 +113,7 @@ def load_federated(
     seed: int,
     data_dir=None,
     dataset_kwargs: dict[str, Any] | None = None,
+    validation_fraction: float = 0.0,
     **partition_kwargs,
 ) -> FederatedData:
     """Load a dataset, partition its training split and put it on device.
@@ -124,6 +126,9 @@ def load_federated(
       seed: NumPy seed for loading and partitioning.
       data_dir: data folder for the TFDS / Tiny ImageNet loaders.
       dataset_kwargs: options for the loader.
+      validation_fraction: the fraction of the training examples held out as a validation
+        split (``x_val``, ``y_val``; drawn with ``seed``, before partitioning: no client holds
+        them), for choosing hyperparameters without looking at the test split.
       **partition_kwargs: options for the partitioner (``alpha``, ``min_size``, ``ratios``, ...).
 
     Returns:
@@ -139,10 +144,36 @@ def load_federated(
                 "(pass groups=...)."
             )
         partition_kwargs["groups"] = meta["client_ids"]
+    held_out = None
+    if validation_fraction:
+        x_train, y_train, held_out = _hold_out(x_train, y_train, validation_fraction, seed)
     labels = np.asarray(y_train)
     if meta.get("task") == "lm":  # no classes: label-based partitions see one
         labels = np.zeros(labels.shape[0], np.int64)
     parts = partition_lib.partition(partition, labels, num_clients, seed=seed, **partition_kwargs)
-    return make_federated(
+    data = make_federated(
         x_train, y_train, x_test, y_test, parts, meta["name"], meta["num_classes"]
     )
+    if held_out is None:
+        return data
+    x_val, y_val = held_out
+    if np.issubdtype(y_val.dtype, np.integer):
+        y_val = y_val.astype(np.int32)
+    return data.replace(x_val=jnp.asarray(x_val), y_val=jnp.asarray(y_val))
+
+
+def _hold_out(x_train, y_train, fraction: float, seed: int):
+    """``(x_train, y_train, (x_val, y_val))``: a random ``fraction`` of the examples held out."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"data.validation_fraction={fraction} must lie in [0, 1).")
+    x_train, y_train = np.asarray(x_train), np.asarray(y_train)
+    count = x_train.shape[0]
+    held = int(round(fraction * count))
+    if not 0 < held < count:
+        raise ValueError(
+            f"data.validation_fraction={fraction} of {count} training examples holds out "
+            f"{held}: choose a fraction that leaves both splits non-empty."
+        )
+    order = np.random.default_rng(seed).permutation(count)
+    val, keep = np.sort(order[:held]), np.sort(order[held:])
+    return x_train[keep], y_train[keep], (x_train[val], y_train[val])

@@ -46,6 +46,9 @@ class FederatedData:
         base, ``fedorth.models.lora``), or None. They live here, once on device beside the
         data, so that they are in no client's or the server's state, optimizer state or upload;
         batches carry them under ``"frozen"``.
+      x_val: ``[V, ...]`` validation inputs held out of the training data
+        (``data.validation_fraction``; ``load_federated``), or None.
+      y_val: ``[V, ...]`` validation targets, or None.
     """
 
     x_train: jax.Array
@@ -57,6 +60,8 @@ class FederatedData:
     num_classes: int = flax.struct.field(pytree_node=False)
     name: str = flax.struct.field(pytree_node=False)
     frozen_params: Any = None
+    x_val: jax.Array | None = None
+    y_val: jax.Array | None = None
 
     @property
     def num_clients(self) -> int:

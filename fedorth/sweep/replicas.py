@@ -87,6 +87,8 @@ def _pad_index(data, width: int):
 def _same(a, b) -> bool:
     if a is b:
         return True
+    if a is None or b is None:
+        return False
     if getattr(a, "shape", None) != getattr(b, "shape", None) or a.dtype != b.dtype:
         return False
     return bool(jnp.array_equal(a, b))
@@ -216,8 +218,10 @@ class ReplicaRound:
         ]
         for replica, data in zip(self.replicas, self._datas, strict=True):
             replica.experiment.data = data
-        self._test_shared = _same(first.x_test, datas[-1].x_test) and all(
-            _same(first.x_test, d.x_test) and _same(first.y_test, d.y_test) for d in datas
+        # The evaluated splits (test, validation): one compiled evaluation if all are equal.
+        splits = ("x_test", "y_test", "x_val", "y_val")
+        self._test_shared = all(
+            _same(getattr(first, name), getattr(d, name)) for d in datas for name in splits
         )
 
     def _unit_data(self, unit: list[int]):

@@ -96,6 +96,7 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
         seed=seed,
         data_dir=cfg.get("data_dir"),
         dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
+        validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
         **kwargs,
     )
 
@@ -388,7 +389,9 @@ def make_eval_fn(experiment: Experiment):
     """``eval_fn(params, model_state) -> {test_loss, test_accuracy[, test_auc]}`` on the test split.
 
     ``test_auc`` (exact ROC AUC) appears when the model's ``eval_fn`` returns per-example scores
-    under ``"per_example"`` (``fedorth.models.auc``).
+    under ``"per_example"`` (``fedorth.models.auc``). With a validation split
+    (``data.validation_fraction``) the same metrics of it come as ``val_loss``,
+    ``val_accuracy`` (``val_auc``).
     """
     batch_size = int(experiment.config.get("eval_batch_size", 256))
     fed_data = experiment.data
@@ -421,13 +424,24 @@ def make_eval_fn(experiment: Experiment):
             out["per_example"] = per_example
         return out
 
-    def evaluate(params, model_state):
-        out = eval_fn(params, model_state, fed_data)
+    def evaluate_split(params, model_state, data):
+        out = eval_fn(params, model_state, data)
         if "per_example" in out:
             from fedorth.models.auc import roc_auc  # exact ROC AUC over the whole test split
 
             examples = jax.device_get(out.pop("per_example"))
             out["test_auc"] = roc_auc(examples["score"], examples["label"], mask=examples["mask"])
+        return out
+
+    validation = None
+    if fed_data.x_val is not None:  # evaluated like the test split (a second compilation)
+        validation = fed_data.replace(x_test=fed_data.x_val, y_test=fed_data.y_val)
+
+    def evaluate(params, model_state):
+        out = evaluate_split(params, model_state, fed_data)
+        if validation is not None:
+            held = evaluate_split(params, model_state, validation)
+            out.update({"val" + k[len("test") :]: v for k, v in held.items()})
         return out
 
     return evaluate

@@ -151,6 +151,10 @@ def _check_data(c: _Checker, config) -> None:
             skip=("data_dir", "seed"),
         )
     c.integer("data.num_clients", cfg.get("num_clients"), 1)
+    if cfg.get("validation_fraction"):
+        c.real(
+            "data.validation_fraction", cfg.validation_fraction, low=0.0, high=1.0, high_open=True
+        )
     partition = cfg.get("partition", "iid")
     if c.choice("data.partition", partition, data_lib.PARTITIONERS):
         kwargs = _as_dict(cfg.get("partition_kwargs"))
