@@ -1,9 +1,11 @@
-"""The README runs as written: every ```python block in a fresh Python process, every config its
-commands name resolves, and ``import fedorth`` reaches the subpackages lazily.
+"""The README runs as written: every ```python block, every config its commands name resolves,
+``.ci/run`` runs its two commands in a fresh virtual environment, and ``import fedorth`` reaches
+the subpackages lazily.
 
-Each block runs alone (a reader copies one at a time) from an empty temporary directory, with the
-suite's warnings-as-errors; the blocks assert their own numbers (FedPAC finds the regression's
-w* to the noise's level).
+Each block runs in its own namespace (a reader copies one at a time), the blocks one after the
+other in one fresh Python process, from an empty temporary directory, with the suite's
+warnings-as-errors; the blocks assert their own numbers (FedPAC finds the regression's w* to the
+noise's level).
 """
 
 from __future__ import annotations
@@ -29,18 +31,6 @@ def python_blocks() -> list[str]:
     return _PYTHON.findall(README.read_text())
 
 
-def run_python(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONWARNINGS": "error::UserWarning,error::RuntimeWarning",
-    }
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
-    )
-
-
 def test_readme_has_the_python_blocks_this_file_runs():
     assert len(python_blocks()) == 2, "a README block was added or removed: update this test"
 
@@ -60,20 +50,37 @@ def test_readme_python_block_is_lint_clean(index):
         assert result.returncode == 0, f"README block {index}:\n{result.stdout}{result.stderr}"
 
 
-@pytest.mark.slow  # a fresh process importing JAX and compiling a round: 5-15 s each
-@pytest.mark.parametrize("index", range(2))
-def test_readme_python_block_runs(index, tmp_path):
-    result = run_python(python_blocks()[index], tmp_path)
+# Runs each block in its own namespace, one after the other, in one fresh process (one JAX
+# import for both), printing a marker after each.
+_RUNNER = """
+import sys
+for index, code in enumerate(sys.argv[1:]):
+    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__main__"})
+    print(f"--- block {index} done", flush=True)
+"""
+
+
+@pytest.mark.slow  # one fresh process importing JAX and compiling a round: 10-20 s
+def test_readme_python_blocks_run(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONWARNINGS": "error::UserWarning,error::RuntimeWarning",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNNER, *python_blocks()],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
     assert result.returncode == 0, (
-        f"README block {index} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        f"a README block failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )
+    first, second, _ = result.stdout.split("--- block ")
     # Block 0 prints the extreme singular values of Newton-Schulz's output (polar_express's
     # five steps put them within about 0.15 of 1); block 1 its own check's figures.
-    if index == 0:
-        low, high = sorted(float(v) for v in result.stdout.strip("[]\n ").split())
-        assert 0.8 < low <= high < 1.2, result.stdout
-    else:
-        assert "train loss" in result.stdout, result.stdout
+    low, high = sorted(float(v) for v in first.strip("[]\n ").split())
+    assert 0.8 < low <= high < 1.2, result.stdout
+    assert "train loss" in second, result.stdout
 
 
 def test_readme_commands_name_configs_that_resolve(tmp_path, monkeypatch):
