@@ -28,6 +28,12 @@ Two runs of a group with the same ``seed`` are the same experiment, not two seed
 keeps one of them (the one with the most evaluated rounds) and warns on stderr, naming both
 folders, instead of counting it twice (which would show a spurious ``± 0.00``).
 
+Selection as the papers do it: when the runs log a validation split (``data.validation_fraction``:
+``val_accuracy`` or ``val_auc``), a second table picks, for each method (configs equal but for
+the seed and the learning rate), the learning rate with the best mean validation score and gives
+the test score (mean ± std over seeds) at that rate, with every candidate's validation score
+beside (``--select KEY`` picks another config key).
+
 The plot has one panel per setting: test accuracy (or AUC) against rounds for each algorithm, the
 mean over seeds with a ±std band.
 """
@@ -195,22 +201,27 @@ def group_runs(runs: Sequence[Run]) -> list[Group]:
         families.setdefault(base_key, []).append(key)
     groups = []
     for (label, setting), keys in families.items():
-        differing = sorted(
-            {name for key in keys for name in flats[key]}
-            - {
-                name
-                for name in flats[keys[0]]
-                if all(flats[k].get(name) == flats[keys[0]][name] for k in keys)
-            }
-        )
         for key in keys:
-            name = label
-            if len(keys) > 1:
-                shown = ", ".join(f"{f}={json.loads(flats[key].get(f, 'null'))}" for f in differing)
-                name = f"{label} ({shown})"
+            name = _label(label, key, keys, flats)
             members = _one_run_per_seed(name, by_config[key])
             groups.append(Group(name, setting, members))
     return sorted(groups, key=lambda g: (g.setting, g.label))
+
+
+def _label(label: str, key: tuple, keys: list[tuple], flats: dict[tuple, dict[str, str]]) -> str:
+    """``label``, with the config fields in which ``key`` differs from the other ``keys``."""
+    if len(keys) == 1:
+        return label
+    differing = sorted(
+        {name for k in keys for name in flats[k]}
+        - {
+            name
+            for name in flats[keys[0]]
+            if all(flats[k].get(name) == flats[keys[0]][name] for k in keys)
+        }
+    )
+    shown = ", ".join(f"{f}={json.loads(flats[key].get(f, 'null'))}" for f in differing)
+    return f"{label} ({shown})"
 
 
 def _one_run_per_seed(label: str, runs: Sequence[Run]) -> list[Run]:
@@ -301,6 +312,98 @@ def markdown_table(groups: Sequence[Group]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclasses.dataclass
+class Selection:
+    """A method's value of ``key`` picked on the validation split, and its groups by value."""
+
+    label: str
+    setting: tuple[str, str, str]
+    key: str
+    picked: Any
+    validation: dict[Any, tuple[float, float]]  # value -> (mean, std) of the validation score
+    groups: dict[Any, Group]
+
+    @property
+    def group(self) -> Group:
+        return self.groups[self.picked]
+
+
+def _validation_score(group: Group) -> tuple[float, float]:
+    """Mean and std over seeds of the validation score at the last round every run evaluated."""
+    key = "val_auc" if group.score_key == "test_auc" else "val_accuracy"
+    sets = [{row["round"] for row in run.rows if key in row} for run in group.runs]
+    rounds = sorted(set.intersection(*sets)) if sets else []
+    if not rounds:
+        return math.nan, math.nan
+    return mean_std(group.values(key, rounds[-1]))
+
+
+def select_on_validation(runs: Sequence[Run], key: str = "optim.learning_rate") -> list[Selection]:
+    """Per method (the runs' configs but for ``seed`` and ``key``), the value of ``key`` whose
+    runs have the best mean validation score (``val_accuracy``, or ``val_auc``), as the papers
+    pick learning rates: on held-out training data (``data.validation_fraction``), never on
+    the test split. Methods without validation metrics are left out.
+    """
+    families: dict[tuple, dict[Any, list[Run]]] = {}
+    flats: dict[tuple, dict[str, str]] = {}
+    for run in runs:
+        flat = {k: v for k, v in _flatten(run.config).items() if k not in (*_IGNORED, key)}
+        method = tuple(sorted(flat.items()))
+        value = json.loads(_flatten(run.config).get(key, "null"))
+        families.setdefault(method, {}).setdefault(value, []).append(run)
+        flats[method] = flat
+    by_label: dict[tuple, list[tuple]] = {}
+    for method, values in families.items():
+        config = next(iter(values.values()))[0].config
+        by_label.setdefault((algorithm_label(config), setting_of(config)), []).append(method)
+    selections = []
+    for (label, setting), methods in by_label.items():
+        for method in methods:
+            name = _label(label, method, methods, flats)
+            groups = {
+                value: Group(f"{name} ({key}={value})", setting, _one_run_per_seed(name, members))
+                for value, members in families[method].items()
+            }
+            validation = {value: _validation_score(g) for value, g in groups.items()}
+            scored = {v: m for v, (m, _) in validation.items() if not math.isnan(m)}
+            if not scored:
+                continue
+            picked = max(scored, key=lambda v: scored[v])
+            selections.append(Selection(name, setting, key, picked, validation, groups))
+    return sorted(selections, key=lambda s: (s.setting, s.label))
+
+
+def selection_table(selections: Sequence[Selection]) -> str:
+    """Markdown: per method the picked value, its validation score, and the test score (mean ±
+    std over seeds) at that value; every candidate's validation score beside."""
+    if not selections:
+        return ""
+    key = selections[0].key
+    lines = [
+        f"## {key} picked on the validation split",
+        "",
+        f"| method | dataset | model | partition | {key} picked | val (%) | seeds | test (%) "
+        "| candidates: val (%) |",
+        "|" + " --- |" * 9,
+    ]
+    for selection in selections:
+        group = selection.group
+        stats = summarize(group)
+        n = len(group.runs)
+        seeds = ",".join(str(run.config.get("seed", "?")) for run in group.runs)
+        val = _fmt(*selection.validation[selection.picked], n, scale=100.0)
+        candidates = ", ".join(
+            f"{value}: {_fmt(m, sd, len(selection.groups[value].runs), scale=100.0)}"
+            for value, (m, sd) in sorted(selection.validation.items(), key=lambda kv: str(kv[0]))
+        )
+        dataset, model, partition = selection.setting
+        lines.append(
+            f"| {selection.label} | {dataset} | {model} | {partition} | {selection.picked} "
+            f"| {val} | {n} ({seeds}) | {_fmt(*stats['score'], n, scale=100.0)} | {candidates} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def curves(group: Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rounds, mean, std)`` of the score over the group's runs at their common rounds."""
     rounds = group.common_rounds()
@@ -352,6 +455,7 @@ def report(
     *,
     out: str | pathlib.Path | None = None,
     plot_path: str | pathlib.Path | None = None,
+    select: str = "optim.learning_rate",
 ) -> str:
     """Reads the runs under ``paths`` and returns the markdown report (also written to ``out``).
 
@@ -359,12 +463,19 @@ def report(
       paths: run folders, or folders holding run folders.
       out: where to write the markdown (None: only returned).
       plot_path: where to save the accuracy-vs-rounds figure (None: no figure).
+      select: the config key picked per method on the validation split
+        (:func:`select_on_validation`; a section of the report when runs log validation
+        metrics).
 
     Returns:
       The markdown text.
     """
-    groups = group_runs(find_runs(paths))
+    runs = find_runs(paths)
+    groups = group_runs(runs)
     text = "# fedorth runs\n\n" + markdown_table(groups)
+    selected = selection_table(select_on_validation(runs, select))
+    if selected:
+        text += "\n" + selected
     if out is not None:
         pathlib.Path(out).write_text(text)
     if plot_path is not None:
@@ -384,13 +495,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="save the accuracy-vs-rounds figure here (default: report.png, or next to --out)",
     )
     parser.add_argument("--no-plot", action="store_true", help="do not draw the figure")
+    parser.add_argument(
+        "--select",
+        default="optim.learning_rate",
+        help="config key picked per method on the validation split (data.validation_fraction)",
+    )
     args = parser.parse_args(argv)
     plot_path = None
     if not args.no_plot:
         plot_path = args.plot or (
             pathlib.Path(args.out).with_suffix(".png") if args.out else pathlib.Path("report.png")
         )
-    sys.stdout.write(report(args.dirs, out=args.out, plot_path=plot_path))
+    sys.stdout.write(report(args.dirs, out=args.out, plot_path=plot_path, select=args.select))
     if plot_path is not None:
         print(f"figure: {plot_path}", file=sys.stderr)
 
