@@ -74,6 +74,15 @@ def pytest_runtest_setup(item):
         )
 
 
+@pytest.fixture
+def x64():
+    """The test runs with 64-bit JAX types (``jax.enable_x64``): the float64 transcriptions of
+    the papers' boxes follow the engine in double precision. Request it by name, or for a whole
+    module with ``pytestmark = pytest.mark.usefixtures("x64")``."""
+    with jax.enable_x64(True):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _float32_newton_schulz(monkeypatch):
     """Newton–Schulz's "auto" dtype is float32 in every test, on every platform.

@@ -1,16 +1,24 @@
-"""Small federated problems with closed-form gradients, shared by the engine tests.
+"""Small federated problems with closed-form gradients, and the engine runs the tests share.
 
 Client ``i`` has the quadratic ``f_i(W, b) = 1/2 <W - B_i, H_i (W - B_i)> + 1/2 ||b - c_i||^2``
 with ``H_i`` symmetric positive definite acting on the rows of ``W`` (heterogeneous Hessians and
 minimizers). Batches are the client's whole data, so gradients are deterministic and a float64
 NumPy re-implementation of an algorithm box can follow the engine step by step.
+
+:func:`start_rounds` builds the server state and the round of an algorithm on such a problem
+(or on any ``loss_fn``/``batch_fn``), :func:`run_rounds` runs a few rounds of it; under the
+``x64`` fixture of tests/conftest.py both run in float64.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fedorth import fed
 
 
 def quadratic_clients(num_clients: int, rows: int = 4, cols: int = 3, seed: int = 0):
@@ -70,3 +78,61 @@ def sampled_ids(key, round_index, num_clients, clients_per_round):
     from fedorth.fed.round import sample_clients
 
     return np.asarray(sample_clients(key, round_index, num_clients, clients_per_round)[1])
+
+
+def zero_params() -> dict:
+    """The parameters the engine tests start from: ``W = 0`` (4 x 3) and ``b = 0`` (3), in
+    JAX's default float dtype (float64 under the ``x64`` fixture)."""
+    return {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+
+
+class Rounds(NamedTuple):
+    """An algorithm ready to run: its server state, its round and the round's settings."""
+
+    server: Any
+    round_fn: Any
+    config: fed.RoundConfig
+
+
+def start_rounds(
+    algorithm,
+    *,
+    num_clients: int,
+    clients_per_round: int,
+    local_steps: int,
+    learning_rate: float,
+    params: dict | None = None,
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+    key: int = 0,
+    loss_fn=loss_fn,
+    batch_fn=batch_fn,
+) -> Rounds:
+    """``fed.init_server`` (server key ``jax.random.key(key)``, no model state) and
+    ``fed.make_round_fn`` of ``algorithm`` on ``loss_fn``/``batch_fn`` (default: the quadratic
+    clients above), from ``params`` (default :func:`zero_params`)."""
+    config = fed.RoundConfig(
+        num_clients=num_clients,
+        clients_per_round=clients_per_round,
+        local_steps=local_steps,
+        learning_rate=learning_rate,
+        strategy=strategy,
+        chunk_size=chunk_size,
+    )
+    params = zero_params() if params is None else params
+    server = fed.init_server(
+        algorithm, params, {}, num_clients=num_clients, key=jax.random.key(key)
+    )
+    return Rounds(server, fed.make_round_fn(algorithm, loss_fn, batch_fn, config), config)
+
+
+def run_rounds(algorithm, data, *, rounds: int, **settings) -> tuple[Any, list[dict]]:
+    """The server state after ``rounds`` rounds of ``algorithm`` on ``data`` (NumPy arrays,
+    made JAX arrays once), and each round's metrics; ``settings`` as :func:`start_rounds`."""
+    server, round_fn, _ = start_rounds(algorithm, **settings)
+    data = jax.tree.map(jnp.asarray, data)
+    history = []
+    for _ in range(rounds):
+        server, metrics = round_fn(server, data)
+        history.append(metrics)
+    return server, history

@@ -23,10 +23,7 @@ N, S, R = 5, 3, 3
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def test_fedavg_m_matches_the_fedtorch_reimplementation_when_k_eta_is_one():
@@ -118,20 +115,20 @@ def _step_rows(key, r, i, step):
 
 def _run_fafed(data, n, s, k, rounds, strategy="auto", chunk_size=None):
     alg = fed.get_algorithm("fafed", {"name": "sgd"}, a=FA_A, b2=FA_B2, rho=FA_RHO)
-    params = {"w": jnp.zeros((FA_DIM, FA_OUT)), "b": jnp.zeros(FA_OUT)}
-    config = fed.RoundConfig(
+    server, _ = fp.run_rounds(
+        alg,
+        data,
+        rounds=rounds,
         num_clients=n,
         clients_per_round=s,
         local_steps=k,
         learning_rate=FA_LR,
+        params={"w": jnp.zeros((FA_DIM, FA_OUT)), "b": jnp.zeros(FA_OUT)},
         strategy=strategy,
         chunk_size=chunk_size,
+        loss_fn=_lsq_loss_fn,
+        batch_fn=_lsq_batch_fn,
     )
-    server = fed.init_server(alg, params, {}, num_clients=n, key=jax.random.key(0))
-    round_fn = fed.make_round_fn(alg, _lsq_loss_fn, _lsq_batch_fn, config)
-    jdata = jax.tree.map(jnp.asarray, data)
-    for _ in range(rounds):
-        server, _ = round_fn(server, jdata)
     return server
 
 

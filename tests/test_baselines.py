@@ -23,23 +23,12 @@ LR = 0.05
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def _run(alg, data, *, rounds=R, lr=LR, params=None, strategy="auto"):
-    params = params or {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-    config = fed.RoundConfig(
-        num_clients=N, clients_per_round=S, local_steps=K, learning_rate=lr, strategy=strategy
-    )
-    server = fed.init_server(alg, params, {}, num_clients=N, key=jax.random.key(0))
-    round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
-    jdata = jax.tree.map(jnp.asarray, data)
-    for _ in range(rounds):
-        server, _ = round_fn(server, jdata)
-    return server
+    settings = dict(num_clients=N, clients_per_round=S, local_steps=K, learning_rate=lr)
+    return fp.run_rounds(alg, data, rounds=rounds, params=params, strategy=strategy, **settings)[0]
 
 
 # ---- float64 helpers on {"w", "b"} dicts ---------------------------------------------------

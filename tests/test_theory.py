@@ -1,5 +1,6 @@
 """fedorth.theory: toy problems, singular-value maps, Theorem 3's exponent, rollouts, observers."""
 
+import fed_problems as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +11,6 @@ from fedorth.fed import metrics as fed_metrics
 from fedorth.optim import newton_schulz
 from fedorth.optim.newton_schulz import NS_PRESETS
 from fedorth.theory import problems, rollout, spectral
-
-
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
 
 
 def _matrix_with_spectrum(s, seed=0, shape=(7, 5)):
@@ -91,16 +86,16 @@ def test_schatten_norm_matches_numpy():
 
 
 def _run(alg, problem, rounds, *, local_steps=1, lr=0.05, clients_per_round=None):
-    n = problem.num_clients
-    config = fed.RoundConfig(
-        num_clients=n,
-        clients_per_round=clients_per_round or n,
+    return fp.start_rounds(
+        alg,
+        num_clients=problem.num_clients,
+        clients_per_round=clients_per_round or problem.num_clients,
         local_steps=local_steps,
         learning_rate=lr,
+        params=problem.params,
+        loss_fn=problem.loss_fn,
+        batch_fn=problem.batch_fn,
     )
-    server = fed.init_server(alg, problem.params, {}, num_clients=n, key=jax.random.key(0))
-    round_fn = fed.make_round_fn(alg, problem.loss_fn, problem.batch_fn, config)
-    return server, round_fn, config
 
 
 def test_theorem1_local_muon_never_moves():
