@@ -124,7 +124,8 @@ def gpu_section(replicas: int, dtypes: list[str], timed_rounds: int) -> list[dic
     return out
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of ``python -m experiments.bench sweep``."""
     parser = argparse.ArgumentParser(prog="python -m experiments.bench sweep")
     parser.add_argument("--section", choices=("cpu", "gpu", "auto"), default="auto")
     parser.add_argument("--rounds", type=int, default=None, help="cpu: fed.rounds (config's)")
@@ -132,7 +133,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="gpu: model.dtype values")
     parser.add_argument("--timed_rounds", type=int, default=3, help="gpu: rounds timed")
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     section = args.section
     if section == "auto":
         import jax
