@@ -64,6 +64,20 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run first (in their collected order), the rest after them.
+
+    With ``-n 2 --dist worksteal`` (pyproject.toml) a worker that runs out of tests takes queued
+    ones from the other, but not a test already running: a long test that starts last keeps one
+    worker busy while the other idles (the wheel + notebooks test alone is over 2 minutes). Run
+    first, the long tests overlap with the short ones the other worker goes through.
+    """
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        ids = {id(item) for item in slow}
+        items[:] = slow + [item for item in items if id(item) not in ids]
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("cpu_devices") and (
         jax.default_backend() != "cpu" or jax.device_count() != 8
