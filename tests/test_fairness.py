@@ -914,3 +914,22 @@ def test_fidelity_tables_name_every_registered_algorithm():
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| ")]
     missing = [name for name in sorted(fed.ALGORITHMS) if not any(f"`{name}`" in r for r in rows)]
     assert not missing, f"docs/FIDELITY.md has no table row naming {missing}"
+
+
+def test_citations_follow_the_papers():
+    """The papers' identifiers and FedPAC (Liu et al.)'s algorithm numbers, one way everywhere:
+    Alg. 1 FedSOA, 2/3 FedPAC, 4/5 Local SOAP / FedPAC_SOAP, 6/7 Local Muon / FedPAC_Muon, 8/9
+    Local Sophia / FedPAC_Sophia (the paper's appendix); the LMO paper by its authors."""
+    from experiments import catalog
+
+    papers = (CONFIG_DIR.parent / "docs" / "PAPERS.md").read_text()
+    for arxiv in ("2510.27403", "2509.26337", "2510.03866", "2511.04456", "2602.19271"):
+        assert f"arXiv:{arxiv}" in papers and f"eprint        = {{{arxiv}}}" in papers, arxiv
+    assert "Takezawa" in papers and "Anonymous" not in papers
+    assert "Local SOAP / FedPAC_SOAP (Algs. 4 / 5)" in papers
+    assert "Local Muon / FedPAC_Muon (Algs. 6 / 7)" in papers
+    assert "Local Sophia / FedPAC_Sophia (Algs. 8 / 9)" in papers
+    listed = catalog.OPTIMIZER_PAPERS
+    assert listed["soap"].endswith("FedPAC (Liu et al.) Alg. 4-5"), listed["soap"]
+    assert listed["muon"].endswith("FedPAC (Liu et al.) Alg. 6-7"), listed["muon"]
+    assert listed["sophia"].endswith("FedPAC (Liu et al.) Alg. 8-9"), listed["sophia"]
