@@ -1066,7 +1066,13 @@ def test_cli_corrupted_checkpoint_fallback_is_one_line(tmp_path, tiny_reference)
     assert len(lines) == 3, out.stderr  # the fallback, "Resumed from round 3", "Finished"
     assert "checkpoints/4 is unreadable or corrupted" in lines[0] and "Resuming" in lines[0]
     assert lines[1] == f"Resumed from round 3 in {workdir}."
-    assert lines[2].startswith("Finished round 4: ")
+    last = rows_of(tiny_reference)[-1]
+    assert lines[2] == (  # a finished run's summary: its last metrics and where its files are
+        f"Finished round 4: train_loss {last['train_loss']:.4f}, test_loss "
+        f"{last['test_loss']:.4f}, test_accuracy {last['test_accuracy']:.4f}. Metrics in "
+        f"{workdir / 'metrics.jsonl'}, curves in {workdir / 'curves.png'}, TensorBoard events in "
+        f"{workdir / 'tensorboard'}, checkpoint {workdir / 'checkpoints' / '4'}."
+    )
     assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
 
 

@@ -188,22 +188,10 @@ def test_workdir_of_another_config_is_refused_unless_overwrite(tmp_path):
 
 
 def _tensorboard_scalars(logdir: pathlib.Path) -> dict[tuple[str, int], float]:
-    """``(tag, step) -> value`` of every scalar in the TFRecord event files under ``logdir``."""
-    import struct
+    """``(tag, step) -> value`` of every scalar in the event files under ``logdir``."""
+    from fedorth.train.logging_utils import read_scalars
 
-    from tensorboardX.proto import event_pb2
-
-    out = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        raw = path.read_bytes()
-        at = 0
-        while at < len(raw):
-            (length,) = struct.unpack("<Q", raw[at : at + 8])
-            event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
-            at += 12 + length + 4  # length, its crc, the record, its crc
-            for value in event.summary.value:
-                out[(value.tag, int(event.step))] = value.simple_value
-    return out
+    return {(tag, step): value for tag, step, value in read_scalars(logdir)}
 
 
 @pytest.mark.slow

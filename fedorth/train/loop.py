@@ -414,8 +414,9 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
         workdir, every=int(config.get("checkpoint_every", 0)), config=config.to_dict()
     )
     # From here to the end, a signal asks for a stop after the round in progress: one that
-    # comes after the last round lets the run finish writing, and it ends as finished.
-    signals = _Signals()
+    # comes after the last round lets the run finish writing, and it ends as finished. Not with
+    # several processes: each would stop after its own round, and their saves are collective.
+    signals = _Signals(enabled=jax.process_count() == 1)
     with signals:
         try:
             row = _train_rounds(
@@ -497,17 +498,19 @@ class _Signals:
     """SIGINT (Ctrl-C) and SIGTERM while rounds run: the first asks the loop to stop after the
     round in progress (saved, so nothing computed is lost; a scheduler's SIGTERM usually leaves
     time for that), the second stops at once (``KeyboardInterrupt``; the run resumes from the
-    newest checkpoint). Installed only in the main thread (Python's signal handlers live there).
+    newest checkpoint). Installed only in the main thread (Python's signal handlers live there),
+    and only when ``enabled`` (one process; several keep Python's Ctrl-C: stop at once).
     """
 
     HANDLED = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, *, enabled: bool = True):
+        self.enabled = enabled
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in self.HANDLED:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self

@@ -143,7 +143,8 @@ def lock_for_all_processes(workdir: pathlib.Path) -> WorkdirLock | None:
       The lock in process 0, ``None`` in the others.
 
     Raises:
-      WorkdirLockedError: in every process, when process 0 was refused.
+      WorkdirLockedError: in every process, when process 0 was refused (process 0 raises its
+        own error: the holder, or a workdir it cannot write).
     """
     import jax  # after jax.distributed.initialize (the CLI's --distributed)
 
@@ -151,7 +152,7 @@ def lock_for_all_processes(workdir: pathlib.Path) -> WorkdirLock | None:
     if jax.process_index() == 0:
         try:
             lock = WorkdirLock(workdir)
-        except WorkdirLockedError as e:
+        except (WorkdirLockedError, WorkdirError) as e:
             refusal = e
     if jax.process_count() > 1:
         import numpy as np
@@ -160,8 +161,7 @@ def lock_for_all_processes(workdir: pathlib.Path) -> WorkdirLock | None:
         refused = multihost_utils.broadcast_one_to_all(np.int32(refusal is not None))
         if int(refused) and refusal is None:
             raise WorkdirLockedError(
-                f"{workdir} is in use by another run (process 0 of this run was refused: its "
-                "message names the holder)."
+                f"{workdir} cannot be locked by process 0 of this run (its message says why)."
             )
     if refusal is not None:
         raise refusal
