@@ -13,7 +13,8 @@ bottom against the *installed wheel*, not the source tree.
 * ``test_wheel_runs_every_notebook`` builds the wheel (``python -m pip wheel --no-deps``), makes
   a fresh virtual environment that sees the test interpreter's packages (its site-packages on
   the new one's path, so a virtualenv's packages are seen, not its base interpreter's), lets
-  the install cell install the wheel from the run folder with no package index, and executes
+  the install cell install the wheel from the run folder with no package index, runs the
+  wheel's ``fedorth`` command beside a user's own ``configs/`` and ``experiments/``, and executes
   every notebook in a kernel of that environment from that folder (two kernels at once); the
   kernel's ``fedorth`` must be the wheel's. It takes 150-170 CPU-seconds (measured on a loaded
   2-core machine, 3.7 min wall there).
@@ -326,6 +327,18 @@ def test_wheel_runs_every_notebook(tmp_path):
         cwd=run_dir, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-4000:]
+    # The wheel's `fedorth` command, from a folder holding configs/ and experiments/ packages of
+    # its own, runs the configs installed with the wheel.
+    user = tmp_path / "user"
+    for package in ("configs", "experiments"):
+        (user / package).mkdir(parents=True)
+        (user / package / "__init__.py").write_text("")
+    command = subprocess.run(
+        [str(env_dir / "bin" / "fedorth"), "config", "fedpac_soap"],
+        cwd=user, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert command.returncode == 0, command.stderr[-4000:]
+    assert json.loads(command.stdout)["fed"]["algorithm"] == "fedpac_soap"
     # Two kernels at once (each notebook is mostly one thread: compilation and small kernels).
     groups = [NOTEBOOKS[0::2], NOTEBOOKS[1::2]]
     procs = [
