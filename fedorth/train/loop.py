@@ -384,7 +384,7 @@ def run(
     """
     validate(config)  # before anything is loaded or compiled
     workdir = workdir_lib.resolve(workdir)
-    lock = workdir_lib.lock_for_all_processes(workdir)
+    lock = workdir_lib.lock_for_all_processes(workdir, jax.process_index(), jax.process_count())
     try:
         return _run_locked(config, workdir, overwrite)
     finally:

@@ -136,8 +136,15 @@ class WorkdirLock:
             self._fd = None
 
 
-def lock_for_all_processes(workdir: pathlib.Path) -> WorkdirLock | None:
+def lock_for_all_processes(
+    workdir: pathlib.Path, process_index: int, process_count: int
+) -> WorkdirLock | None:
     """Process 0 takes the workdir's lock for the whole (multi-process) run.
+
+    Args:
+      workdir: the run's folder.
+      process_index, process_count: ``jax.process_index()``, ``jax.process_count()`` (after
+        ``jax.distributed.initialize``, the CLI's ``--distributed``).
 
     Returns:
       The lock in process 0, ``None`` in the others.
@@ -146,15 +153,13 @@ def lock_for_all_processes(workdir: pathlib.Path) -> WorkdirLock | None:
       WorkdirLockedError: in every process, when process 0 was refused (process 0 raises its
         own error: the holder, or a workdir it cannot write).
     """
-    import jax  # after jax.distributed.initialize (the CLI's --distributed)
-
     lock, refusal = None, None
-    if jax.process_index() == 0:
+    if process_index == 0:
         try:
             lock = WorkdirLock(workdir)
         except (WorkdirLockedError, WorkdirError) as e:
             refusal = e
-    if jax.process_count() > 1:
+    if process_count > 1:
         import numpy as np
         from jax.experimental import multihost_utils
 
