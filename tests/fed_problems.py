@@ -102,15 +102,16 @@ def start_rounds(
     local_steps: int,
     learning_rate: float,
     params: dict | None = None,
+    model_state: dict | None = None,
     strategy: str = "auto",
     chunk_size: int | None = None,
     key: int = 0,
     loss_fn=loss_fn,
     batch_fn=batch_fn,
 ) -> Rounds:
-    """``fed.init_server`` (server key ``jax.random.key(key)``, no model state) and
-    ``fed.make_round_fn`` of ``algorithm`` on ``loss_fn``/``batch_fn`` (default: the quadratic
-    clients above), from ``params`` (default :func:`zero_params`)."""
+    """``fed.init_server`` (server key ``jax.random.key(key)``) and ``fed.make_round_fn`` of
+    ``algorithm`` on ``loss_fn``/``batch_fn`` (default: the quadratic clients above), from
+    ``params`` (default :func:`zero_params`) and ``model_state`` (default none: ``{}``)."""
     config = fed.RoundConfig(
         num_clients=num_clients,
         clients_per_round=clients_per_round,
@@ -121,7 +122,11 @@ def start_rounds(
     )
     params = zero_params() if params is None else params
     server = fed.init_server(
-        algorithm, params, {}, num_clients=num_clients, key=jax.random.key(key)
+        algorithm,
+        params,
+        {} if model_state is None else model_state,
+        num_clients=num_clients,
+        key=jax.random.key(key),
     )
     return Rounds(server, fed.make_round_fn(algorithm, loss_fn, batch_fn, config), config)
 
