@@ -111,7 +111,14 @@ def load_config_module(path: pathlib.Path):
     """The module of config file ``path`` (loaded by path, as ``config_flags`` does)."""
     spec = importlib.util.spec_from_file_location(f"_fedorth_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a syntax error, a NameError at the file's top level
+        from fedorth.train.validate import config_file_error
+
+        raise ConfigArgumentError(
+            config_file_error(str(path), error) or f"--config={path}: {error!r}"
+        ) from None
     return module
 
 

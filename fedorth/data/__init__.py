@@ -27,6 +27,7 @@ from fedorth.data import embedded, glue, heavy_tailed, tfds
 from fedorth.data import partition as partition_lib
 from fedorth.data.embedded import load_digits, load_synthetic, synthetic
 from fedorth.data.federated import (
+    DataConfigError,
     FederatedData,
     client_permutation,
     make_federated,
@@ -42,6 +43,7 @@ from fedorth.data.tfds import DatasetNotPreparedError
 __all__ = [
     "DATASETS",
     "PARTITIONERS",
+    "DataConfigError",
     "DatasetNotPreparedError",
     "FederatedData",
     "client_permutation",
@@ -150,7 +152,34 @@ def load_federated(
     labels = np.asarray(y_train)
     if meta.get("task") == "lm":  # no classes: label-based partitions see one
         labels = np.zeros(labels.shape[0], np.int64)
-    parts = partition_lib.partition(partition, labels, num_clients, seed=seed, **partition_kwargs)
+    if num_clients > labels.shape[0]:
+        raise DataConfigError(
+            f"data.num_clients={num_clients} is more than the {labels.shape[0]} training examples "
+            f"of data.name={name!r}: every client needs one; set data.num_clients <= "
+            f"{labels.shape[0]}."
+        )
+    try:
+        parts = partition_lib.partition(
+            partition, labels, num_clients, seed=seed, **partition_kwargs
+        )
+    except ValueError as e:  # the partitioner's own check of its options on these labels
+        raise DataConfigError(
+            f"data.partition={partition!r} (data.partition_kwargs, data.alpha, data.num_clients) "
+            f"on data.name={name!r}: {e}"
+        ) from None
+    empty = [i for i, part in enumerate(parts) if np.size(part) == 0]
+    if empty:
+        raise DataConfigError(
+            f"data.partition={partition!r} left {len(empty)} of {num_clients} clients empty "
+            f"(clients {empty[:10]}{', ...' if len(empty) > 10 else ''}) on the "
+            f"{labels.shape[0]} examples of data.name={name!r}: lower data.num_clients"
+            + (
+                f" or raise data.alpha (the Dirichlet concentration, {partition_kwargs['alpha']})"
+                if "alpha" in partition_kwargs
+                else ""
+            )
+            + "."
+        )
     data = make_federated(
         x_train, y_train, x_test, y_test, parts, meta["name"], meta["num_classes"]
     )

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "DataConfigError",
     "FederatedData",
     "client_permutation",
     "make_federated",
@@ -26,6 +27,11 @@ __all__ = [
     "test_batch",
     "test_batches",
 ]
+
+
+class DataConfigError(ValueError):
+    """``data.*`` values that the loaded data cannot satisfy (one line naming the key and the fix;
+    raised by :func:`fedorth.data.load_federated`, which sees the data)."""
 
 
 @flax.struct.dataclass

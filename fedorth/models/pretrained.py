@@ -38,6 +38,7 @@ __all__ = [
     "ARCHITECTURES",
     "PretrainedError",
     "LoadReport",
+    "check_checkpoint",
     "load_pretrained",
     "resolve_checkpoint",
 ]
@@ -215,7 +216,9 @@ def _files_in(folder: pathlib.Path) -> list[pathlib.Path] | None:
 
 
 def _how_to_get(source: str, example: str) -> str:
-    name = source if "/" in source and not pathlib.Path(source).exists() else example
+    # A Hugging Face name is "owner/model"; a missing local path is not one.
+    is_hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not pathlib.Path(source).exists()
+    name = source if is_hub_name else example
     return (
         f"download it once on a machine with network access (`hf download {name} "
         f"model.safetensors config.json --local-dir DIR`) and pass model.pretrained=DIR, or put "
@@ -271,11 +274,56 @@ def _read(files: list[pathlib.Path]) -> dict[str, np.ndarray]:
     return state
 
 
-def _model_type(files: list[pathlib.Path]) -> str | None:
+def _model_type(files: list[pathlib.Path], source: str) -> str | None:
     config = files[0].parent / "config.json"
     if not config.is_file():
         return None
-    return json.loads(config.read_text()).get("model_type")
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError, UnicodeDecodeError) as error:
+        raise PretrainedError(
+            f"model.pretrained={source!r}: {config} is not the checkpoint's JSON config "
+            f"({type(error).__name__}: {error}): download the checkpoint's config.json again."
+        ) from None
+
+
+def check_checkpoint(model_name: str, source: str) -> None:
+    """Checks, without reading any tensor, that ``source`` holds a checkpoint of ``model_name``.
+
+    The files are found (:func:`resolve_checkpoint`), their config.json (when there is one)
+    names the model's architecture, and each safetensors header is readable;
+    :func:`load_pretrained` then matches the tensors against the model.
+
+    Raises:
+      PretrainedError: one line naming ``model.pretrained`` and the fix.
+    """
+    from safetensors import safe_open
+
+    if model_name not in ARCHITECTURES:
+        raise PretrainedError(
+            f"model.pretrained is supported for models {sorted(ARCHITECTURES)}, not "
+            f"model.name={model_name!r}."
+        )
+    arch = ARCHITECTURES[model_name]
+    files = resolve_checkpoint(source, arch.example)
+    model_type = _model_type(files, source)
+    if model_type is not None and model_type not in arch.model_types:
+        raise PretrainedError(
+            f"model.pretrained={source!r} is a {model_type!r} checkpoint (config.json), but "
+            f"model.name={model_name!r} needs a {arch.model_types[0]!r} one such as "
+            f"{arch.example!r}."
+        )
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as checkpoint:
+                checkpoint.keys()
+        except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+            raise PretrainedError(
+                f"model.pretrained={source!r}: {file} is not a readable safetensors file "
+                f"({type(error).__name__}: {error}); replace it: "
+                + _how_to_get(source, arch.example)
+                + "."
+            ) from None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -323,20 +371,9 @@ def load_pretrained(model_name: str, params: Any, source: str) -> tuple[Any, Loa
       PretrainedError: the file is missing, belongs to another architecture, or does not match
         the model (the message lists the missing, unexpected and mis-shaped keys).
     """
-    if model_name not in ARCHITECTURES:
-        raise PretrainedError(
-            f"model.pretrained is supported for models {sorted(ARCHITECTURES)}, not "
-            f"model.name={model_name!r}."
-        )
+    check_checkpoint(model_name, source)
     arch = ARCHITECTURES[model_name]
     files = resolve_checkpoint(source, arch.example)
-    model_type = _model_type(files)
-    if model_type is not None and model_type not in arch.model_types:
-        raise PretrainedError(
-            f"model.pretrained={source!r} is a {model_type!r} checkpoint (config.json), but "
-            f"model.name={model_name!r} needs a {arch.model_types[0]!r} one such as "
-            f"{arch.example!r}."
-        )
     state = _read(files)
     target = _flatten(params)
     converted: dict[str, np.ndarray] = {}

@@ -89,16 +89,21 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
         if not alpha > 0:
             raise ValueError(f"data.alpha={alpha} must be > 0 for partition {cfg.partition!r}.")
         kwargs["alpha"] = alpha
-    return data_lib.load_federated(
-        cfg.name,
-        num_clients=int(cfg.num_clients),
-        partition=cfg.partition,
-        seed=seed,
-        data_dir=cfg.get("data_dir"),
-        dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
-        validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
-        **kwargs,
-    )
+    try:
+        return data_lib.load_federated(
+            cfg.name,
+            num_clients=int(cfg.num_clients),
+            partition=cfg.partition,
+            seed=seed,
+            data_dir=cfg.get("data_dir"),
+            dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
+            validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
+            **kwargs,
+        )
+    except data_lib.DataConfigError as e:
+        from fedorth.train.validate import ConfigError  # validate imports this module
+
+        raise ConfigError(str(e)) from None
 
 
 def image_size(config: ml_collections.ConfigDict) -> int:
@@ -204,6 +209,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
+    from fedorth.train import validate  # it imports this module
+
+    validate.check_files(config)  # before the data are loaded
     _check_tokenizer(config)
     fed_data = build_data(config, seed)
     model = build_model(config, fed_data)
@@ -217,9 +225,14 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     else:
         params, model_state = model.init(init_key, example)
     if config.model.get("pretrained"):
-        params, report = pretrained.load_pretrained(
-            config.model.name, params, str(config.model.pretrained)
-        )
+        try:
+            params, report = pretrained.load_pretrained(
+                config.model.name, params, str(config.model.pretrained)
+            )
+        except pretrained.PretrainedError as e:  # the tensors do not fit the model's shapes
+            from fedorth.train.validate import ConfigError  # validate imports this module
+
+            raise ConfigError(str(e)) from None
         logging.info("model.pretrained: %s", report)
     if isinstance(model, lora.LoRAModel):
         params, frozen = model.split(params, adapter_key)
@@ -246,7 +259,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
 # Example input of each dataset without loading it: (shape of one example, dtype, classes).
 # Text and synthetic shapes depend on the loader options (``data.dataset_kwargs``); their
 # defaults are read from the loaders' signatures so this table cannot drift from them.
-_IMAGE_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
+IMAGE_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "digits": ((8, 8, 1), 10),
     "mnist": ((28, 28, 1), 10),
     "fashion_mnist": ((28, 28, 1), 10),
@@ -277,8 +290,8 @@ def input_spec(
       number of classes (for ``c4`` the vocabulary: 257 bytes, or the tokenizer's).
     """
     kwargs = dict(dataset_kwargs or {})
-    if name in _IMAGE_SHAPES:
-        shape, classes = _IMAGE_SHAPES[name]
+    if name in IMAGE_SHAPES:
+        shape, classes = IMAGE_SHAPES[name]
         return shape, jnp.float32, classes
     if name in data_lib.glue.LOADERS and (name != "glue/sst2" or kwargs.get("tokenizer")):
         task = data_lib.glue.GLUE_TASKS[name.split("/")[1]]
@@ -298,7 +311,7 @@ def input_spec(
         dim = int(_loader_default(data_lib.load_synthetic, "dim", kwargs))
         classes = int(_loader_default(data_lib.load_synthetic, "num_classes", kwargs))
         return (dim,), jnp.float32, classes
-    valid = sorted([*_IMAGE_SHAPES, *_TEXT_DATASETS, "c4", "synthetic"])
+    valid = sorted([*IMAGE_SHAPES, *_TEXT_DATASETS, "c4", "synthetic"])
     raise ValueError(f"data.name={name!r} has no known input shape; valid: {valid}.")
 
 

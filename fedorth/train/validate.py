@@ -25,8 +25,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import os
 import runpy
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ from absl import flags
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.fed import local
+from fedorth.models import pretrained
 from fedorth.models.layers import MODEL_DTYPES
 from fedorth.optim.newton_schulz import NS_DTYPES
 from fedorth.train import builders
@@ -151,6 +154,13 @@ def _check_data(c: _Checker, config) -> None:
             skip=("data_dir", "seed"),
         )
     c.integer("data.num_clients", cfg.get("num_clients"), 1)
+    if cfg.get("image_size") is not None:
+        c.integer(
+            "data.image_size",
+            cfg.image_size,
+            0,
+            why=" (the side batches are resized to on device; 0: the data's own size)",
+        )
     if cfg.get("validation_fraction"):
         c.real(
             "data.validation_fraction", cfg.validation_fraction, low=0.0, high=1.0, high_open=True
@@ -196,6 +206,14 @@ def _check_model(c: _Checker, config) -> None:
         c.keywords("model", kwargs, models.MODELS[name])
     # Every model takes `dtype` (mixed precision, fedorth.models.layers.compute_dtype).
     c.choice("model.dtype", kwargs.get("dtype", "float32"), MODEL_DTYPES)
+    if "hidden_sizes" in kwargs:
+        sizes = kwargs["hidden_sizes"]
+        sizes = tuple(sizes) if isinstance(sizes, list | tuple) else (sizes,)
+        if not all(_is_int(size) and size >= 1 for size in sizes):
+            c.fail(
+                f"model.hidden_sizes={sizes!r} is out of range; valid: a tuple of integers >= 1 "
+                "(the widths of the hidden layers), e.g. (128, 128)."
+            )
 
 
 def _check_optim(c: _Checker, config) -> bool:
@@ -293,6 +311,62 @@ def _check_builds(c: _Checker, config) -> None:
         c.fail(f"fed.algorithm={name!r} with fed.options={options}: {e}")
 
 
+def _check_image_size(c: _Checker, config) -> None:
+    """A model with learned positions (ViT-B/16, Swin-T) sees images of its ``image_size``."""
+    name = config.model.name
+    parameter = inspect.signature(models.MODELS[name]).parameters.get("image_size")
+    if parameter is None:
+        return
+    expected = int(config.model.get("image_size", parameter.default))
+    resized = int(config.data.get("image_size", 0) or 0)
+    native = builders.IMAGE_SHAPES.get(config.data.name, ((None,), None))[0][0]
+    side = resized or native
+    if side is None or side == expected:
+        return
+    given = (
+        f"data.image_size={resized}"
+        if resized
+        else f"data.name={config.data.name!r} has {side}x{side} images"
+    )
+    fix = f"set data.image_size={expected} (batches are resized on device)"
+    if "image_size" in config.model:
+        fix += f", or model.image_size={side} (then the checkpoint's positions do not fit)"
+    c.fail(
+        f"model.name={name!r} takes {expected}x{expected} images (its positions are learned "
+        f"for that size), but {given}: {fix}."
+    )
+
+
+def check_files(config: ml_collections.ConfigDict) -> None:
+    """Checks that the files the config names (``model.pretrained``,
+    ``data.dataset_kwargs.tokenizer``) exist and are what it says, without loading them.
+
+    Run before the data are loaded (:func:`fedorth.train.builders.build`); not part of
+    :func:`validate`, so that a config can be checked and printed where its files are not.
+
+    Raises:
+      ConfigError: one line per problem, naming the key and the fix.
+    """
+    c = _Checker()
+    source = config.model.get("pretrained")
+    if source:
+        try:
+            pretrained.check_checkpoint(config.model.name, str(source))
+        except pretrained.PretrainedError as e:
+            c.fail(str(e))
+    path = _as_dict(config.data.get("dataset_kwargs")).get("tokenizer")
+    if path:
+        from fedorth.data.tokenizer import load_tokenizer
+
+        hub = "roberta-base" if str(config.data.name).startswith("glue/") else "t5-base"
+        try:
+            load_tokenizer(str(path), hub_name=hub)
+        except (OSError, ValueError, ImportError) as e:  # missing, malformed, sentencepiece
+            c.fail(str(e))
+    if c.errors:
+        raise ConfigError("\n".join(c.errors))
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks names and ranges of a run's config; nothing is loaded or compiled.
 
@@ -317,6 +391,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not c.errors and optim_ok:
         # Only on an otherwise valid config, so each problem is reported once.
         _check_builds(c, config)
+    if not c.errors:
+        _check_image_size(c, config)
     if c.errors:
         raise ConfigError("Invalid config:\n  " + "\n  ".join(c.errors))
 
@@ -443,6 +519,35 @@ def drop_keys_of_another_model(config, overrides: Mapping[str, Any]) -> list[str
     return drop_foreign_keys(config, only_model).get("model.name", [])
 
 
+def config_file_error(spec: str, error: BaseException) -> str | None:
+    """One line for an error raised by a config file's own code (a syntax error, a NameError in
+    ``get_config``), naming the file and line; None when the error did not come from it.
+
+    Args:
+      spec: the ``--config`` value, ``path[:preset]``.
+      error: the exception raised while loading the file or calling its ``get_config``.
+    """
+    path = spec.partition(":")[0]
+    folder = os.path.dirname(os.path.realpath(path))
+
+    def ours(filename: str | None) -> bool:  # the file, or a module beside it (configs/base.py)
+        return bool(filename) and os.path.dirname(os.path.realpath(filename)) == folder
+
+    if isinstance(error, SyntaxError) and ours(error.filename):
+        where, what = f"{error.filename}, line {error.lineno}", f"SyntaxError: {error.msg}"
+    else:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if ours(f.filename)]
+        if not frames:
+            return None
+        frame = frames[-1]
+        where = f"{frame.filename}, line {frame.lineno}, in {frame.name}"
+        what = f"{type(error).__name__}: {error}"
+    return (
+        f"--config={spec}: the config file fails ({what}; {where}): fix it, or start from a "
+        "shipped config (python -m experiments.main --list)."
+    )
+
+
 def flags_parser(argv: list[str]) -> list[str]:
     """``absl.app.run``'s flag parser, with a one-line error for a bad ``--config.*`` override.
 
@@ -454,7 +559,12 @@ def flags_parser(argv: list[str]) -> list[str]:
     except flags.Error as e:
         print(f"error: {e}\nPass --helpfull to list the flags.", file=sys.stderr)
         sys.exit(2)
-    except (AttributeError, KeyError) as e:
-        message = unknown_override_message(argv) or f"a --config.* override is invalid: {e!r}"
+    except Exception as e:  # raised by the config file's get_config, or by an override
+        spec = next((a[len("--config=") :] for a in argv if a.startswith("--config=")), "")
+        message = config_file_error(spec, e) if spec else None
+        if message is None and isinstance(e, AttributeError | KeyError):
+            message = unknown_override_message(argv) or f"a --config.* override is invalid: {e!r}"
+        if message is None:
+            raise
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
