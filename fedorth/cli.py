@@ -65,7 +65,9 @@ def shipped_package(name: str) -> types.ModuleType:
     """
     folder = _ROOT / name
     module = sys.modules.get(name)
-    if module is not None and str(folder) in list(getattr(module, "__path__", [])):
+    if module is not None and folder in {
+        pathlib.Path(entry).resolve() for entry in getattr(module, "__path__", [])
+    }:
         return module
     init = folder / "__init__.py"
     if not init.is_file():
