@@ -210,8 +210,9 @@ def test_entry_points_run_host_lapack_with_one_openblas_thread_unless_told_other
 
 def test_entry_points_split_the_cpu_into_one_jax_device_per_core_unless_told_otherwise():
     # `auto` shards convolutional clients over the CPU devices (cnn 1.22x torch at S = 10 x
-    # K = 10 against 0.90x on one device, PERFORMANCE.md "Session 6"): the package sets
-    # JAX_NUM_CPU_DEVICES before JAX loads, unless XLA_FLAGS forces a count or a value is given.
+    # K = 10 against 0.90x on one device, PERFORMANCE.md "CPU: rounds against the PyTorch
+    # peer"): the package sets JAX_NUM_CPU_DEVICES before JAX loads, unless XLA_FLAGS forces a
+    # count or a value is given.
     def devices(**extra):
         script = "import experiments, jax; print(jax.device_count())"
         keep = {
