@@ -4,9 +4,9 @@ momentum low-rank (truncated SVD keeping 5% of each matrix's rank).
     python -m experiments.main --config=configs/fedpac_muon_light.py --workdir=runs/fedpac_muon_light
     python -m experiments.main --config=configs/fedpac_muon_light.py:cifar100_vit_dir0.05 --workdir=...
 
-Default preset: the FedPAC_Muon default (configs/fedpac_muon.py) with 30 rounds (the per-client
-SVDs dominate the CPU time), final test accuracy 0.96 (seed 42; 0.9611 since FedPAC aligns Theta
-only, Alg. 2; ``fed.options.aligned="state"`` gives 0.95).
+Default preset: the FedPAC_Muon default (configs/fedpac_muon.py: Alg. 7's Muon) with 30 rounds
+(the per-client SVDs dominate the CPU time), final test accuracy 0.9472 (seed 42;
+``muon_reference``, the Muon reference form it ran before, 0.9611).
 
 Presets: those of configs/fedpac_muon.py (Tables 1/3/12/13, Table 8/10 values, its Muon).
 """
