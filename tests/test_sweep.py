@@ -91,10 +91,11 @@ def compare(grid, round_, states, metrics, exact: bool):
 def test_sequential_replicas_are_their_single_runs_bit_for_bit(name, client_strategy):
     config = tiny(name, client_strategy)
     grid_values = GRID
-    if (name, client_strategy) == ("fedpac_soap", "sharded"):
-        # With the learning rate an argument of the sharded call instead of a constant, XLA
-        # partitions FedPAC_SOAP's round differently: 1 ulp in a few weights after 3 rounds
-        # (test_vmapped... bounds such differences). Seeds alone are exact here too.
+    if client_strategy == "sharded":
+        # A traced learning rate is an operand of the sharded call where the single run has a
+        # constant: XLA compiles the partitioned round differently (1 ulp in a few weights after
+        # 3 rounds; test_sharded_rounds_with_a_traced_learning_rate... bounds it). The seeds,
+        # which change no code, are exact.
         grid_values = {"seed": GRID["seed"]}
     grid, round_, states, metrics = sweep(config, grid_values, "sequential")
     assert round_.client_strategy == client_strategy
@@ -110,6 +111,14 @@ def test_vmapped_replicas_are_their_single_runs_to_float32_rounding(name, client
     config = tiny(name, client_strategy)
     grid, round_, states, metrics = sweep(config, GRID, "vmap")
     assert round_.strategy == "vmap" and round_.units == [[0, 1]]
+    compare(grid, round_, states, metrics, exact=False)
+
+
+@pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
+def test_sharded_rounds_with_a_traced_learning_rate_agree_to_float32_rounding(replica_strategy):
+    """SCAFFOLD's per-client control variates, clients sharded over 2 devices, lr traced."""
+    config = tiny("scaffold", "sharded")
+    grid, round_, states, metrics = sweep(config, GRID, replica_strategy)
     compare(grid, round_, states, metrics, exact=False)
 
 
