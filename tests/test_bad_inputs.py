@@ -15,6 +15,7 @@ import sys
 
 import ml_collections
 import pytest
+import test_reliability
 from test_reliability import tiny_config
 
 from configs import fedavg
@@ -60,17 +61,20 @@ def _bare_checkpoint(tmp: pathlib.Path) -> str:
     return str(folder)
 
 
-# (id, config from tmp_path, workdir from tmp_path, the key the line names, a phrase of the fix)
+# (id, docs/ERRORS.md's description, config from tmp_path, workdir from tmp_path, the key the
+# line names, a phrase of the fix)
 CASES = [
     (
         "pretrained_missing",
+        "`model.pretrained` a path where nothing is (exit code 2)",
         lambda tmp: _vit(pretrained=str(tmp / "nowhere")),
         None,
         "model.pretrained=",
-        "no such file, folder or cached Hugging Face model",
+        "no such file or folder; download it once",
     ),
     (
         "pretrained_of_another_architecture",
+        "`model.pretrained` a RoBERTa checkpoint for `model.name='vit_b16'` (exit code 2)",
         lambda tmp: _vit(pretrained=str(FIXTURES / "roberta")),
         None,
         "model.pretrained=",
@@ -78,6 +82,7 @@ CASES = [
     ),
     (
         "pretrained_garbage_safetensors",
+        "`model.pretrained` a `model.safetensors` that is not one (exit code 2)",
         lambda tmp: _vit(pretrained=_garbage(tmp, "model.safetensors", "garbage")),
         None,
         "model.pretrained=",
@@ -85,6 +90,7 @@ CASES = [
     ),
     (
         "pretrained_garbage_config_json",
+        "`model.pretrained` a folder whose `config.json` is not JSON (exit code 2)",
         lambda tmp: _vit(pretrained=_bare_checkpoint(tmp)),
         None,
         "model.pretrained=",
@@ -92,6 +98,7 @@ CASES = [
     ),
     (
         "tokenizer_missing",
+        "`data.dataset_kwargs.tokenizer` a path where nothing is (exit code 2)",
         lambda tmp: _roberta(str(tmp / "tokenizer.json")),
         None,
         "data.dataset_kwargs.tokenizer=",
@@ -99,6 +106,7 @@ CASES = [
     ),
     (
         "tokenizer_garbage",
+        "`data.dataset_kwargs.tokenizer` a file that is not a tokenizer (exit code 2)",
         lambda tmp: _roberta(_garbage(tmp, "tokenizer.json", "not a tokenizer")),
         None,
         "data.dataset_kwargs.tokenizer=",
@@ -106,6 +114,7 @@ CASES = [
     ),
     (
         "workdir_is_a_file",
+        "`--workdir` a file (exit code 2)",
         lambda tmp: tiny_config(),
         lambda tmp: _garbage(tmp, "a_file", ""),
         "--workdir=",
@@ -113,6 +122,8 @@ CASES = [
     ),
     (
         "workdir_not_writable",
+        "`--workdir` a folder that cannot be created (below a file; likewise without "
+        "permission; exit code 2)",
         lambda tmp: tiny_config(),
         lambda tmp: os.path.join(_garbage(tmp, "a_file", ""), "run"),
         "--workdir=",
@@ -120,6 +131,7 @@ CASES = [
     ),
     (
         "hidden_size_zero",
+        "`model.hidden_sizes=(0,)` (exit code 2)",
         lambda tmp: tiny_config(**{"model.hidden_sizes": (0,)}),
         None,
         "model.hidden_sizes=(0,)",
@@ -127,6 +139,7 @@ CASES = [
     ),
     (
         "hidden_size_negative",
+        "`model.hidden_sizes=(16, -3)` (exit code 2)",
         lambda tmp: tiny_config(**{"model.hidden_sizes": (16, -3)}),
         None,
         "model.hidden_sizes=(16, -3)",
@@ -134,6 +147,7 @@ CASES = [
     ),
     (
         "more_clients_than_examples",
+        "`data.num_clients=5000` on the 1437 digits (exit code 2)",
         lambda tmp: tiny_config(**{"data.num_clients": 5000}),
         None,
         "data.num_clients=5000",
@@ -141,6 +155,7 @@ CASES = [
     ),
     (
         "empty_dirichlet_clients",
+        "`data.num_clients=200`, `data.partition='dirichlet'`, `data.alpha=0.001` (exit code 2)",
         lambda tmp: tiny_config(
             **{"data.num_clients": 200, "data.partition": "dirichlet", "data.alpha": 0.001}
         ),
@@ -150,13 +165,16 @@ CASES = [
     ),
     (
         "negative_image_size",
+        "`data.image_size=-4` (exit code 2)",
         lambda tmp: tiny_config(**{"data.image_size": -4}),
         None,
         "data.image_size=-4",
         "an integer >= 0",
     ),
     (
-        "vit_image_size_mismatch",  # the config has no model.image_size: name data.image_size
+        "vit_image_size_mismatch",  # the config has no model.image_size
+        "`model.name='vit_b16'` (224x224 positions) on CIFAR-100's 32x32 images, "
+        "`data.image_size=0` (exit code 2)",
         lambda tmp: _native_size_vit(),
         None,
         "model.name='vit_b16' takes 224x224 images",
@@ -165,17 +183,28 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "make_config, make_workdir, key, fix", [case[1:] for case in CASES], ids=[c[0] for c in CASES]
-)
-def test_a_bad_input_is_one_line_naming_its_key(tmp_path, make_config, make_workdir, key, fix):
-    config = make_config(tmp_path)
-    workdir = make_workdir(tmp_path) if make_workdir else tmp_path / "run"
+def _run_message(tmp: pathlib.Path, make_config, make_workdir) -> str:
+    """What the command prints for the case (``train.run``'s user error, as main.py prints it)."""
+    config = make_config(tmp)
+    workdir = make_workdir(tmp) if make_workdir else tmp / "run"
     with pytest.raises(train.USER_ERRORS) as error:
         train.run(config, workdir)
-    lines = str(error.value).removeprefix("Invalid config:\n  ").splitlines()
-    assert len(lines) == 1, str(error.value)
+    return f"error: {error.value}"
+
+
+@pytest.mark.parametrize(
+    "description, make_config, make_workdir, key, fix",
+    [case[1:] for case in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_a_bad_input_is_one_line_naming_its_key(
+    tmp_path, description, make_config, make_workdir, key, fix
+):
+    message = _run_message(tmp_path, make_config, make_workdir)
+    lines = message.replace("error: Invalid config:\n  ", "error: ").splitlines()
+    assert len(lines) == 1, message
     assert key in lines[0] and fix in lines[0], lines[0]
+    assert_documented(description, message, tmp_path)
 
 
 def _main(*args: str) -> subprocess.CompletedProcess:
@@ -190,31 +219,48 @@ def _main(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize(
-    "source, where",
-    [
-        ("def get_config(:\n", "SyntaxError: invalid syntax; {file}, line 1"),
-        (
-            "def get_config(arg=None):\n    return undefined_name\n",
-            "NameError: name 'undefined_name' is not defined; {file}, line 2, in get_config",
-        ),
-        ("import ml_collections\nBASE = undefined_name\n", "{file}, line 2, in <module>"),
-    ],
-    ids=["syntax_error", "name_error_in_get_config", "name_error_at_import"],
-)
-def test_a_broken_config_file_is_one_line_naming_the_file_and_line(tmp_path, source, where):
-    file = tmp_path / "mine.py"
+# (docs/ERRORS.md's description, the config file, what the line says of it)
+CONFIG_FILES = {
+    "syntax_error": (
+        "`--config=$TMP/mine.py`, a file with a syntax error (exit code 2)",
+        "def get_config(:\n",
+        "SyntaxError: invalid syntax; {file}, line 1",
+    ),
+    "name_error_in_get_config": (
+        "`--config=$TMP/mine.py`, whose `get_config` uses an undefined name (exit code 2)",
+        "def get_config(arg=None):\n    return undefined_name\n",
+        "NameError: name 'undefined_name' is not defined; {file}, line 2, in get_config",
+    ),
+    "name_error_at_import": (
+        "`--config=$TMP/mine.py`, which uses an undefined name at its top level (exit code 2)",
+        "import ml_collections\nBASE = undefined_name\n",
+        "{file}, line 2, in <module>",
+    ),
+}
+
+
+def _config_file_message(tmp: pathlib.Path, source: str) -> tuple[int, str]:
+    file = tmp / "mine.py"
     file.write_text(source)
-    result = _main(f"--config={file}", f"--workdir={tmp_path / 'run'}")
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[-3000:]
+    result = _main(f"--config={file}", f"--workdir={tmp / 'run'}")
+    return result.returncode, result.stderr.strip()
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_FILES))
+def test_a_broken_config_file_is_one_line_naming_the_file_and_line(tmp_path, case):
+    description, source, where = CONFIG_FILES[case]
+    returncode, message = _config_file_message(tmp_path, source)
+    file = tmp_path / "mine.py"
+    assert returncode == 2, message[-3000:]
+    lines = message.splitlines()
+    assert len(lines) == 1, message[-3000:]
     assert lines[0].startswith(f"error: --config={file}: the config file fails ("), lines[0]
     assert where.format(file=file) in lines[0], lines[0]
+    assert_documented(description, message, tmp_path)
 
 
 def test_the_command_prints_the_line_for_a_garbage_checkpoint(tmp_path):
-    """The same line from the command, before any data (CIFAR-100 is not prepared here)."""
+    """The command prints train.run's line, before any data (CIFAR-100 is not prepared here)."""
     garbage = _garbage(tmp_path, "model.safetensors", "garbage")
     result = _main(
         "--config=configs/fedavg.py:vit_base_cifar100",
@@ -222,17 +268,80 @@ def test_the_command_prints_the_line_for_a_garbage_checkpoint(tmp_path):
         f"--workdir={tmp_path / 'run'}",
     )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines() == [
-        f"error: model.pretrained={garbage!r}: {garbage} is not a readable safetensors file "
-        "(SafetensorError: Error while deserializing header: header too small); replace it: "
-        "download it once on a machine with network access (`hf download "
-        "google/vit-base-patch16-224-in21k model.safetensors config.json --local-dir DIR`) and "
-        "pass model.pretrained=DIR, or put it in the Hugging Face cache "
-        f"({pretrained_hub_cache()})."
-    ]
+    expected = _run_message(tmp_path, lambda tmp: _vit(pretrained=garbage), None)
+    assert result.stderr.strip().splitlines() == [expected]
 
 
-def pretrained_hub_cache():
+# ------------------------------------------------------------------------ docs/ERRORS.md
+
+DOC = ROOT / "docs" / "ERRORS.md"
+SECTION = "## Files, data, config files, several processes"
+INTRO = """
+What the checks of the files a config names (`fedorth.train.validate.check_files`, before the data
+are loaded), of the data (`fedorth.data.load_federated`) and of the config file itself say,
+generated by `python tests/test_bad_inputs.py` from the cases of that file. `$TMP` stands for a
+folder of the user's, `$HF_HUB_CACHE` for the Hugging Face cache. With `--distributed`, a process
+of the run that is killed or crashes stops the others within seconds (about 2 s after their next
+collective; a silent one after `--heartbeat_timeout_s`, 10 by default) with the last line below
+(`$PID`, `$HOST`, `$COORDINATOR` stand for the lost process's values), exit code 1; the same
+command on every process resumes the run.
+
+"""
+LOST = {
+    "`--distributed`, 2 processes: process 1 killed (process 0 prints it; exit code 1)": (
+        {1: "pid $PID on $HOST"},
+        0,
+    ),
+    "`--distributed`, 2 processes: process 0, the coordinator, killed (process 1 prints it)": (
+        {0: "pid $PID on $HOST, the coordinator at $COORDINATOR"},
+        1,
+    ),
+}
+
+
+def _doc_row(description: str, message: str, tmp: pathlib.Path) -> str:
     from fedorth.models import pretrained
 
-    return pretrained._hub_cache()
+    text = message.replace(str(ROOT) + os.sep, "")
+    text = text.replace(str(pretrained._hub_cache()), "$HF_HUB_CACHE")
+    return test_reliability._row(description, text, tmp)
+
+
+def assert_documented(description: str, message: str, tmp: pathlib.Path) -> None:
+    row = _doc_row(description, message, tmp)
+    assert row in DOC.read_text(), (
+        f"docs/ERRORS.md lacks (run python tests/test_bad_inputs.py):\n{row}"
+    )
+
+
+def write_doc() -> None:
+    """Rewrites this file's section of docs/ERRORS.md from its cases (a minute)."""
+    import tempfile
+
+    from fedorth.train import distributed
+
+    rows = []
+    for _, description, make_config, make_workdir, _, _ in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            message = _run_message(pathlib.Path(tmp), make_config, make_workdir)
+            rows.append(_doc_row(description, message, pathlib.Path(tmp)))
+    for description, source, _ in CONFIG_FILES.values():
+        with tempfile.TemporaryDirectory() as tmp:
+            _, message = _config_file_message(pathlib.Path(tmp), source)
+            rows.append(_doc_row(description, message, pathlib.Path(tmp)))
+    for description, (dead, me) in LOST.items():
+        rows.append(_doc_row(description, distributed.lost_message(dead, me, 2), ROOT))
+    section = (
+        SECTION + "\n" + INTRO + "| bad input | message |\n| --- | --- |\n" + "\n".join(rows) + "\n"
+    )
+    text = DOC.read_text()
+    parts = text.split("\n" + SECTION + "\n")
+    rest = parts[1].split("\n## ", 1)[1] if len(parts) > 1 and "\n## " in parts[1] else None
+    text = parts[0].rstrip("\n") + "\n\n" + section + ("\n## " + rest if rest else "")
+    DOC.write_text(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    write_doc()
+    print(f"wrote {DOC}")

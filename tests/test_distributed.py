@@ -18,6 +18,8 @@ import time
 import jax
 import pytest
 
+from fedorth.train import distributed
+
 ROOT = pathlib.Path(__file__).parent.parent
 # The tiny FedAvg MLP on the embedded digits, S = 2 clients per round: one per device.
 TINY = [
@@ -190,6 +192,21 @@ def test_a_lost_process_stops_the_other_in_seconds_with_one_line(tmp_path, victi
     ), lines[0]
     assert f"so process {survivor} stops too" in lines[0]
     assert "the run resumes from its last checkpoint" in lines[0]
+    if how == signal.SIGKILL:  # docs/ERRORS.md shows both, with the pid, host and address named
+        coordinator = next(a for a in processes[0].args if a.startswith("--coordinator_address="))
+        line = lines[0].replace(
+            f"pid {processes[victim].pid} on {socket.gethostname()}", "pid $PID on $HOST"
+        )
+        line = line.replace(coordinator.partition("=")[2], "$COORDINATOR")
+        assert line == distributed.lost_message(
+            {
+                victim: "pid $PID on $HOST"
+                + (", the coordinator at $COORDINATOR" if victim == 0 else "")
+            },
+            survivor,
+            2,
+        )
+        assert line in (ROOT / "docs" / "ERRORS.md").read_text(), line
     assert elapsed < 20, f"process {survivor} took {elapsed:.0f} s to stop"
 
 

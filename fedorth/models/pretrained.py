@@ -215,10 +215,13 @@ def _files_in(folder: pathlib.Path) -> list[pathlib.Path] | None:
     return None
 
 
+def _is_hub_name(source: str) -> bool:
+    """A Hugging Face name ("roberta-base", "owner/model"), not a path of this machine."""
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source) is not None and not source.startswith(".")
+
+
 def _how_to_get(source: str, example: str) -> str:
-    # A Hugging Face name is "owner/model"; a missing local path is not one.
-    is_hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not pathlib.Path(source).exists()
-    name = source if is_hub_name else example
+    name = source if _is_hub_name(source) and not pathlib.Path(source).exists() else example
     return (
         f"download it once on a machine with network access (`hf download {name} "
         f"model.safetensors config.json --local-dir DIR`) and pass model.pretrained=DIR, or put "
@@ -249,6 +252,12 @@ def resolve_checkpoint(source: str, example: str = "NAME") -> list[pathlib.Path]
                 + "."
             )
         return files
+    if not _is_hub_name(source):
+        raise PretrainedError(
+            f"model.pretrained={source!r}: no such file or folder; "
+            + _how_to_get(source, example)
+            + "."
+        )
     repo = _hub_cache() / ("models--" + source.replace("/", "--"))
     snapshots = repo / "snapshots"
     if snapshots.is_dir():

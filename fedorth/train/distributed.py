@@ -183,12 +183,17 @@ class _Liveness:
             return False
 
     def message(self, dead: list[int]) -> str:
-        who = ", ".join(f"process {i} ({self.names[i]})" for i in dead)
-        return (
-            f"error: {who} of the run's {self.count} stopped (killed, crashed or unreachable: its "
-            f"own output says why), so process {self.me} stops too. Start the same command on "
-            "every process again: the run resumes from its last checkpoint.\n"
-        )
+        return lost_message({i: self.names[i] for i in dead}, self.me, self.count) + "\n"
+
+
+def lost_message(dead: dict[int, str], me: int, count: int) -> str:
+    """The line a process prints when the processes ``dead`` (id: "pid P on HOST") are lost."""
+    who = ", ".join(f"process {i} ({name})" for i, name in dead.items())
+    return (
+        f"error: {who} of the run's {count} stopped (killed, crashed or unreachable: its own "
+        f"output says why), so process {me} stops too. Start the same command on every process "
+        "again: the run resumes from its last checkpoint."
+    )
 
 
 class _StderrFilter:
