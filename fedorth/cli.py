@@ -99,32 +99,42 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _config(argv: Sequence[str]) -> int:
-    """``fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]``: the resolved config as JSON
-    (what ``config.json`` of a run would hold), the switches' notes on stderr."""
+    """``fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]``."""
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedorth config NAME[:PRESET] [--config.KEY=VALUE ...]")
         return 0 if argv else 2
+    return print_config(argv[0].removeprefix("--config="), argv[1:])
+
+
+def print_config(name: str, overrides_argv: Sequence[str]) -> int:
+    """Prints the config ``--config=name`` with ``overrides_argv`` (``--config.KEY=VALUE``)
+    gives a run, as JSON (what the run's ``config.json`` would hold), after the switches and the
+    validation; the switches' notes go to stderr. Returns the exit code (2: a one-line error)."""
     from absl import flags
     from ml_collections import config_flags
 
     from experiments import catalog
 
-    name, overrides_argv = argv[0].removeprefix("--config="), list(argv[1:])
     try:
         spec = catalog.resolve_config(name)
     except catalog.ConfigArgumentError as e:
         return _error(str(e))
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", lock_config=True, flag_values=values)
-    command = ["fedorth config", f"--config={spec}", *overrides_argv]
+    command = ["fedorth config", f"--config={spec}", *list(overrides_argv)]
     try:
         values(command)
     except flags.Error as e:
         return _error(str(e))
-    except (AttributeError, KeyError) as e:
+    except Exception as e:  # the config file's get_config, or an override
         from fedorth.train import validate
 
-        return _error(validate.unknown_override_message(command) or f"invalid override: {e!r}")
+        message = validate.config_file_error(spec, e)
+        if message is None and isinstance(e, AttributeError | KeyError):
+            message = validate.unknown_override_message(command) or f"invalid override: {e!r}"
+        if message is None:
+            raise
+        return _error(message)
     from fedorth.train import validate
 
     config = values.config
