@@ -12,8 +12,11 @@ one per line. Each line names the field, the value and what is valid:
   list the accepted ones.
 
 Unknown *config keys* given on the command line are rejected earlier, by the locked config of
-``experiments/main.py``. The checks that need the data (e.g. every client non-empty) run when the
-data is built, in :mod:`fedorth.data`.
+``experiments/main.py``; a config file that fails to load is one line naming its file and line
+(:func:`config_file_error`). The files a config names (``model.pretrained``,
+``data.dataset_kwargs.tokenizer``) are checked by :func:`check_files` before the data are loaded,
+and the checks that need the data (no more clients than examples, every client non-empty) run
+when the data are built (``fedorth.data.DataConfigError``); all name the key and the fix.
 
 Batch-size rule: the engine's sampler (``fedorth.data.sample_batch``) draws each local
 mini-batch uniformly **with replacement** from the client's examples, so ``fed.batch_size`` may
