@@ -15,8 +15,8 @@ optimizers, each with its paper.
 model, optimizer and algorithm: the config file's keys the new choice does not take are dropped
 with a note; keys typed on the command line are kept and checked; a new optimizer gets its own
 learning rate for the setting unless one is typed (``experiments.catalog.apply_switches``).
-``fedorth config NAME[:preset] [--config.KEY=VALUE ...]`` prints the resulting config without
-running it.
+``--dry_run`` (or ``fedorth config NAME[:preset] [--config.KEY=VALUE ...]``) prints the
+resulting config without running it.
 
 Running the same command again resumes from the newest checkpoint in ``--workdir``; with a
 larger ``--config.fed.rounds`` it extends a finished run.
@@ -53,14 +53,30 @@ _HEARTBEAT = flags.DEFINE_integer(
     "With --distributed: seconds without a heartbeat after which a silent process (a host that "
     "lost power) counts as dead and the others stop; a killed process is found in about 2 s.",
 )
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Print the config the run would use (what its config.json holds: --config with the "
+    "--config.KEY=VALUE overrides and switches applied) and exit without running.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def flags_parser(argv: list[str]) -> list[str]:
-    """Resolves ``--config``, answers ``--list``, then parses the flags (one-line errors)."""
+    """Resolves ``--config``, answers ``--list`` and ``--dry_run``, then parses the flags
+    (one-line errors)."""
     if "--list" in argv:
         print(catalog.listing(config_dir()))
         sys.exit(0)
+    if "--dry_run" in argv:  # no --workdir needed: nothing runs
+        from fedorth.cli import print_config
+
+        names = [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
+        overrides = [a for a in argv if a.startswith("--config.")]
+        if not names:
+            print("error: --dry_run prints the config of --config=NAME[:preset].", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(print_config(names[-1], overrides))
     try:
         argv = resolve_config_argv(argv)
     except ConfigArgumentError as e:

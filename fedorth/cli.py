@@ -126,15 +126,10 @@ def print_config(name: str, overrides_argv: Sequence[str]) -> int:
         values(command)
     except flags.Error as e:
         return _error(str(e))
-    except Exception as e:  # the config file's get_config, or an override
+    except (AttributeError, KeyError) as e:
         from fedorth.train import validate
 
-        message = validate.config_file_error(spec, e)
-        if message is None and isinstance(e, AttributeError | KeyError):
-            message = validate.unknown_override_message(command) or f"invalid override: {e!r}"
-        if message is None:
-            raise
-        return _error(message)
+        return _error(validate.unknown_override_message(command) or f"invalid override: {e!r}")
     from fedorth.train import validate
 
     config = values.config

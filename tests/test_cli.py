@@ -427,12 +427,12 @@ def test_optimizer_switch_takes_the_rate_of_the_same_preset_keeps_a_typed_one_or
 
 @pytest.mark.slow  # two processes, 3-8 s each
 def test_optimizer_switch_on_the_command_line(tmp_path):
-    """The issue's command: FedAvg's config switched to FedPAC_SOAP runs SOAP at SOAP's rate,
-    with a note (``fedorth config`` prints what the run would use); a refused switch stops the
-    run with one line."""
-    out = fedorth(
-        tmp_path, "config", "fedavg", "--config.fed.algorithm=fedpac_soap",
-        "--config.optim.name=soap",
+    """FedAvg's config switched to FedPAC_SOAP runs SOAP at SOAP's rate, with a note
+    (``--dry_run`` prints what the run would use, without a --workdir); a refused switch stops
+    the run with one line."""
+    out = main(
+        tmp_path, "--config=fedavg", "--config.fed.algorithm=fedpac_soap",
+        "--config.optim.name=soap", "--dry_run",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["optim"]["learning_rate"] == local_rate("soap") == 0.003
