@@ -126,10 +126,15 @@ def print_config(name: str, overrides_argv: Sequence[str]) -> int:
         values(command)
     except flags.Error as e:
         return _error(str(e))
-    except (AttributeError, KeyError) as e:
+    except Exception as e:  # the config file's get_config, or an override
         from fedorth.train import validate
 
-        return _error(validate.unknown_override_message(command) or f"invalid override: {e!r}")
+        message = validate.config_file_error(spec, e)
+        if message is None and isinstance(e, AttributeError | KeyError):
+            message = validate.unknown_override_message(command) or f"invalid override: {e!r}"
+        if message is None:
+            raise
+        return _error(message)
     from fedorth.train import validate
 
     config = values.config
