@@ -24,6 +24,7 @@ import pytest
 
 from experiments.bench import (
     budget,
+    cases,
     cli,
     flops,
     jax_loop,
@@ -464,8 +465,8 @@ def test_jax_loop_peer_refuses_what_it_does_not_implement(monkeypatch):
         workloads.ALGORITHMS, "fedpac_soap_light", workloads.ALGORITHMS["fedpac_soap"]
     )
     case = workloads.Case("mlp_small", "fedpac_soap_light", 2, 2, 8)
-    with pytest.raises(rounds.Skip, match="low-rank state compression"):
-        rounds.make_runner(("jax_loop",), case, None, None)
+    with pytest.raises(cases.Skip, match="low-rank state compression"):
+        cases.make_runner(("jax_loop",), case, None, None)
 
 
 # ----------------------------------------------------------------------------- the torch peer
@@ -1010,7 +1011,7 @@ def test_each_row_has_its_own_peak_memory():
     for s in (8, 2):
         case = workloads.Case("mlp_small", "fedavg", s, 2, 8)
         data, fed_data = workloads.case_data(case)
-        runner = rounds.make_runner(("fedorth", "sequential", None, 1), case, data, fed_data)
+        runner = cases.make_runner(("fedorth", "sequential", None, 1), case, data, fed_data)
         memory = runner.warmup()["memory"]
         assert memory["source"] == "memory_analysis"
         parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]

@@ -14,7 +14,8 @@ modules, by job (imports go down this list, never up, so the package has no impo
 * `workloads` (models on random data, the algorithms, a `Case`);
 * `runners` (fedorth's round and the PyTorch peer), `jax_loop` (the JAX per-step loop peer,
   built from the engine's own pieces), `sections` (``--memory``, ``--micro``, ``--scaling``),
-  `presets` (``--preset targets``), `output` (tables, JSON);
+  `presets` (``--preset targets``), `output` (tables, JSON); `cases` (one case: its runners,
+  timed rounds and rows);
 * `optim` and `rounds`: the subcommands; `cli`: the registry and ``main``.
 
 To add a subcommand: write its module with ``parse_args(argv)`` and ``main(argv) -> int``, and
