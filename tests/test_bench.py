@@ -371,27 +371,22 @@ def test_bench_package_has_no_import_cycle_and_no_lazy_imports():
 
 # The bench's algorithms with the local optimizers it runs them with (workloads.ALGORITHMS),
 # then one case for each other path of the peer: a warm start from the whole averaged state
-# (FedMuon), a server optimizer (FedAdam), the global server step x <- x - gamma g_G, and
-# a minimax algorithm (ascent on a dual matrix; the averaged momentum warm-started).
+# (FedMuon), a server optimizer (FedAdam), the global server step x <- x - gamma g_G.
 _PEER_CASES = {name: (name, optim, {}) for name, optim in workloads.ALGORITHMS.items()}
 _PEER_CASES |= {
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedadam": ("fedadam", {"name": "sgd"}, {}),
     "fedpac_muon[server_lr]": ("fedpac_muon", {"name": "muon"}, {"server_lr": 0.5}),
-    "fedsgda_m": ("fedsgda_m", {"name": "sgd"}, {}),
 }
 
 
-def _peer_problem(minimax: bool):
+def _peer_problem():
     """fed_problems' quadratic clients with noise drawn from the batch and model keys (so the
-    two implementations must derive the same keys), a float model state the server averages,
-    and, for the minimax algorithms, a dual matrix."""
+    two implementations must derive the same keys) and a float model state the server
+    averages."""
     import fed_problems as fp
 
     data = jax.tree.map(jnp.asarray, fp.quadratic_clients(6, seed=5))
-    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-    if minimax:
-        params["dual"] = jnp.zeros((4, 2))
 
     def batch_fn(data, client, key):
         batch = fp.batch_fn(data, client, key)
@@ -400,12 +395,9 @@ def _peer_problem(minimax: bool):
     def loss_fn(params, model_state, batch, key):
         loss, _ = fp.loss_fn(params, model_state, batch, key)
         loss = loss + 0.1 * jnp.sum(jax.random.normal(key, params["w"].shape) * params["w"])
-        if "dual" in params:  # + <y, W[:, :2]> - 1/2 ||y||^2, concave in y
-            y = params["dual"]
-            loss = loss + jnp.sum(y * params["w"][:, :2]) - 0.5 * jnp.sum(y**2)
         return loss, ({"ema": 0.9 * model_state["ema"] + 0.1 * params["b"]}, {})
 
-    return data, params, {"ema": jnp.zeros(3)}, loss_fn, batch_fn
+    return data, fp.zero_params(), {"ema": jnp.zeros(3)}, loss_fn, batch_fn
 
 
 @pytest.mark.parametrize("case", sorted(_PEER_CASES))
@@ -416,8 +408,7 @@ def test_jax_loop_peer_agrees_with_the_engine_for_three_rounds(case):
     keeps Theta only: aggregate_mask) and each other path of the peer."""
     name, optim, options = _PEER_CASES[case]
     algorithm = fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
-    minimax = "minimax" in fed.ALGORITHMS[name].__module__
-    data, params, model_state, loss_fn, batch_fn = _peer_problem(minimax)
+    data, params, model_state, loss_fn, batch_fn = _peer_problem()
     config = fed.RoundConfig(6, 4, 2, 0.05, strategy="sequential")
     servers = []
     for make in (fed.make_round_fn, jax_loop.JaxLoopRound):
