@@ -85,8 +85,16 @@ def _random_cifar100(config, seed):
     return make_federated(x, y, x[:500], y[:500], parts, "cifar100", 100)
 
 
-def gpu_section(replicas: int, dtypes: list[str], timed_rounds: int) -> list[dict]:
-    """Replica-rounds/s of R vmapped replicas and of one run, per dtype."""
+def gpu_section(
+    replicas: int, dtypes: list[str], timed_rounds: int, conv_impl: str = "matmul"
+) -> list[dict]:
+    """Replica-rounds/s of R vmapped replicas and of one run, per dtype.
+
+    One run keeps the GPU's native convolutions (``model.conv_impl="auto"``: ``lax``, one client
+    at a time); the vmapped replicas use ``conv_impl`` (default im2col + dot, ``"matmul"``):
+    vmapped native convolutions with per-replica weights become grouped convolutions, which ran
+    at 0.38x on an H100 (fedorth.fed.round), while vmapped im2col ones become batched matmuls.
+    """
     import jax
 
     from configs import fedavg
@@ -103,10 +111,11 @@ def gpu_section(replicas: int, dtypes: list[str], timed_rounds: int) -> list[dic
         config.model.dtype = dtype
         config.data.augment = False  # random inputs: the crop/flip adds nothing to measure
         config.fed.strategy = "sequential"  # one run's fastest on an H100 (fed.round docstring)
-        grid = Grid(config, {"seed": list(range(42, 42 + replicas))})
         single = ReplicaRound.from_grid(
             Grid(config, {"seed": [42]}), strategy="sequential", build=build
         )
+        config.model.conv_impl = conv_impl
+        grid = Grid(config, {"seed": list(range(42, 42 + replicas))})
         many = ReplicaRound.from_grid(grid, strategy="vmap", build=build)
         rates = {}
         for name, round_ in (("one run", single), (f"{replicas} replicas vmapped", many)):
@@ -132,6 +141,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=8, help="gpu: replicas vmapped")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="gpu: model.dtype values")
     parser.add_argument("--timed_rounds", type=int, default=3, help="gpu: rounds timed")
+    parser.add_argument("--conv_impl", default="matmul", help="gpu: the replicas' convolutions")
     parser.add_argument("--json", default=None, help="also write the results here")
     return parser.parse_args(argv)
 
@@ -154,7 +164,9 @@ def main(argv: list[str]) -> int:
             f"metrics equal the runs': {result['identical_metrics']}"
         )
     else:
-        result = gpu_section(args.replicas, args.dtypes.split(","), args.timed_rounds)
+        result = gpu_section(
+            args.replicas, args.dtypes.split(","), args.timed_rounds, args.conv_impl
+        )
         print("| dtype | one run (replica-rounds/s) | vmapped replicas | ratio |")
         print("| --- | --- | --- | --- |")
         for row in result:
