@@ -9,7 +9,13 @@ Presets: (default) the embedded Zipf sentiment task on 2 CPU cores; ``{sentiment
 ``test_auc`` (exact ROC AUC on the test split).
 
 Muon's step has Frobenius norm sqrt(min(m, n)) per matrix, so its learning rate is smaller than
-Fed-NSGDA-M's (whose step has norm 1 over the whole variable).
+Fed-NSGDA-M's (whose step has norm 1 over the whole variable). Muon orthogonalizes the leaves of
+Muon's mask only (dense kernels, not the word embedding, a lookup table:
+fedorth.fed.algorithms.minimax), which take the normalized step with the other non-matrix leaves.
+
+Default preset: final test AUC 0.5712 (test accuracy 0.5290; seed 42, 150 rounds). It was 0.6074
+(0.5470) while the 1000 x 16 word embedding was orthogonalized too: its step is now a share of
+the normalized step of the non-matrix leaves (norm at most 1), where UV^T had norm sqrt(16) = 4.
 """
 
 from configs import minimax_auc
