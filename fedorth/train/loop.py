@@ -510,6 +510,9 @@ class _Signals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
+        # The notice goes to the run's stderr even when a signal lands during a checkpoint save,
+        # which silences sys.stderr (fedorth.train.checkpoint).
+        self._stream = sys.stderr
         if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in self.HANDLED:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -522,7 +525,7 @@ class _Signals:
                 print(
                     f"\n{signal.Signals(signum).name}: stopping after the round in progress, "
                     "saved (again to stop at once, from the newest checkpoint).",
-                    file=sys.stderr,
+                    file=self._stream,
                     flush=True,
                 )
             except OSError:
