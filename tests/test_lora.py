@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import fast_jit
 
 from fedorth import data as data_lib
 from fedorth import fed, models
@@ -25,7 +26,7 @@ RANK = 4
 def _model_and_params():
     reference = np.load(FIXTURE / "reference.npz")
     base = models.get_model("roberta_base", num_classes=3, dropout=0.0, **TINY)
-    full, state = jax.jit(base.init)(jax.random.key(0), reference["input_ids"])
+    full, state = fast_jit(base.init)(jax.random.key(0), reference["input_ids"])
     full, _ = pretrained.load_pretrained("roberta_base", full, str(FIXTURE))
     model = lora.lora(base, rank=RANK)
     trainable, frozen = model.split(full, jax.random.key(1))
@@ -50,7 +51,7 @@ def test_trainable_count_is_r_times_in_plus_out_per_matrix_plus_the_head():
 def test_adapted_model_starts_at_the_pretrained_one():
     model, _, trainable, frozen, state, reference = _model_and_params()
     assert all(float(jnp.abs(a["b"]).max()) == 0.0 for a in trainable["adapters"].values())
-    logits = jax.jit(model.predict_fn)(trainable, state, reference["input_ids"], frozen)
+    logits = fast_jit(model.predict_fn)(trainable, state, reference["input_ids"], frozen)
     np.testing.assert_allclose(np.asarray(logits), reference["logits"], rtol=2e-5, atol=2e-5)
 
 

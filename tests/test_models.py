@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fast_jit
 from jax import lax
 
 from fedorth.models import MODELS, Model, get_model
@@ -29,6 +30,9 @@ from fedorth.models.layers import (
 from fedorth.models.llama import LLAMA_SIZES, apply_rotary, rms_norm
 from fedorth.models.resnet import ResNet18
 from fedorth.models.vit import patchify, sinusoidal_positions
+
+# Model maths against float64 NumPy or one program against another: tests/helpers.py.
+jit = fast_jit
 
 
 def num_params(tree) -> int:
@@ -115,7 +119,7 @@ def tiny_setup(name: str):
     """
     model = tiny_model(name)
     batch = tiny_batch(name, 4)
-    params, state = jax.jit(model.init)(rbg_key(5), batch["x"])
+    params, state = jit(model.init)(rbg_key(5), batch["x"])
     return model, params, state, batch
 
 
@@ -123,7 +127,7 @@ def tiny_setup(name: str):
 def f64_train_step(name: str, conv_impl: str | None = None):
     """Jitted value_and_grad(loss_fn) of a toy model, shared by tests (one compile per shape)."""
     model = tiny_model(name, **({} if conv_impl is None else {"conv_impl": conv_impl}))
-    return jax.jit(jax.value_and_grad(model.loss_fn, has_aux=True))
+    return jit(jax.value_and_grad(model.loss_fn, has_aux=True))
 
 
 # ---------------------------------------------------------------- registry and arguments
@@ -301,8 +305,8 @@ def test_matmul_conv_equals_flax_conv_values_and_gradients(kernel_size, strides,
             objective = lambda p, x: jnp.sum(module.apply(p, x) * cotangent)
             return module.apply(params, x), jax.grad(objective, argnums=(0, 1))(params, x)
 
-        y_ref, g_ref = jax.jit(lambda: value_and_grads(reference))()
-        y_mat, g_mat = jax.jit(lambda: value_and_grads(matmul))()
+        y_ref, g_ref = jit(lambda: value_and_grads(reference))()
+        y_mat, g_mat = jit(lambda: value_and_grads(matmul))()
         assert y_ref.shape == y_mat.shape
         np.testing.assert_allclose(y_mat, y_ref, rtol=1e-12, atol=1e-12)
         assert_trees_close(g_mat, g_ref, rtol=1e-12, atol=1e-12, msg="conv gradients differ")
@@ -457,7 +461,7 @@ def test_every_model_loss_and_eval_against_numpy_cross_entropy(name):
     model, params, state, batch = tiny_setup(name)
     inputs, targets = inputs_targets(model, batch)
 
-    @jax.jit
+    @jit
     def run(params, state, batch, key):
         step = jax.value_and_grad(model.loss_fn, has_aux=True)(params, state, batch, key)
         return step, model.eval_fn(params, state, batch), model.predict_fn(params, state, inputs)
@@ -478,7 +482,7 @@ def test_every_model_loss_and_eval_against_numpy_cross_entropy(name):
 @pytest.mark.parametrize("name", ["cnn", "llama"])
 def test_eval_sum_equals_mean_loss_times_count_and_respects_mask(name):
     model, params, state, _ = tiny_setup(name)
-    loss_fn, eval_fn = jax.jit(model.loss_fn), jax.jit(model.eval_fn)
+    loss_fn, eval_fn = jit(model.loss_fn), jit(model.eval_fn)
     key = rbg_key(7)
     batch = tiny_batch(name, 7, batch_size=5)
     # No dropout/BN in these models: the train loss is the eval loss.
@@ -503,7 +507,7 @@ def test_eval_sum_equals_mean_loss_times_count_and_respects_mask(name):
 def test_batchnorm_updates_running_statistics_with_momentum_0_9():
     """running ← 0.9·running + 0.1·batch statistic (init mean 0, var 1); eval uses running."""
     model, params, state, batch = tiny_setup("resnet18")
-    _, (new_state, _) = jax.jit(model.loss_fn)(params, state, batch, None)
+    _, (new_state, _) = jit(model.loss_fn)(params, state, batch, None)
     stem = lax.conv_general_dilated(
         batch["x"], params["stem_conv"]["kernel"], (1, 1), ((1, 1), (1, 1)),
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
@@ -512,7 +516,7 @@ def test_batchnorm_updates_running_statistics_with_momentum_0_9():
     np.testing.assert_allclose(stats["mean"], 0.1 * stem.mean((0, 1, 2)), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(stats["var"], 0.9 + 0.1 * stem.var((0, 1, 2)), rtol=1e-4)
     # Eval mode reads the running statistics: new statistics change the predictions.
-    predict = jax.jit(model.predict_fn)
+    predict = jit(model.predict_fn)
     assert not np.allclose(
         predict(params, state, batch["x"]), predict(params, new_state, batch["x"])
     )
@@ -523,7 +527,7 @@ def test_batchnorm_updates_running_statistics_with_momentum_0_9():
 @pytest.mark.parametrize("name", ["vit_tiny", "vit_zg"])
 def test_dropout_on_in_loss_fn_and_off_in_eval_fn(name):
     model, params, state, batch = tiny_setup(name)
-    loss_fn = jax.jit(model.loss_fn)
+    loss_fn = jit(model.loss_fn)
     loss = lambda key: loss_fn(params, state, batch, key)[0]
     assert loss(rbg_key(1)) == loss(rbg_key(1)), "same key, same dropout mask"
     assert loss(rbg_key(1)) != loss(rbg_key(2)), "dropout must be active"
@@ -532,8 +536,8 @@ def test_dropout_on_in_loss_fn_and_off_in_eval_fn(name):
     if name == "vit_zg":
         no_dropout["embedding_dropout"] = 0.0
     plain = tiny_model(name, **no_dropout)
-    sums = jax.jit(model.eval_fn)(params, state, batch)
-    reference = jax.jit(plain.loss_fn)(params, state, batch, rbg_key(3))[0]
+    sums = jit(model.eval_fn)(params, state, batch)
+    reference = jit(plain.loss_fn)(params, state, batch, rbg_key(3))[0]
     np.testing.assert_allclose(sums["loss_sum"], reference * sums["count"], rtol=1e-6)
 
 
@@ -544,7 +548,7 @@ def test_llama_is_causal():
     model, params, state, _ = tiny_setup("llama")
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, size=(2, 10)), jnp.int32)
     changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % 256)
-    predict = jax.jit(model.predict_fn)
+    predict = jit(model.predict_fn)
     a, b = predict(params, state, tokens), predict(params, state, changed)
     np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-6, atol=1e-6)
     assert np.all(np.abs(a[:, 6:] - b[:, 6:]).max(-1) > 1e-4), "later positions must see token 6"
@@ -594,7 +598,7 @@ def test_rnn_matches_numpy_recurrence_and_ignores_padding():
     with jax.enable_x64(True):
         model = get_model("rnn", hidden_size=6, num_layers=2, embed_dim=4)
         x = jnp.asarray(np.random.default_rng(13).normal(size=(3, 5, 4)))
-        params, state = to_f64(jax.jit(model.init)(rbg_key(14), x))
+        params, state = to_f64(jit(model.init)(rbg_key(14), x))
         p = jax.tree.map(np.asarray, params)
         h_seq = np.asarray(x)
         for layer in range(2):
@@ -605,7 +609,7 @@ def test_rnn_matches_numpy_recurrence_and_ignores_padding():
                 outputs.append(h)
             h_seq = np.stack(outputs, 1)
         expected = h @ p["readout"]["kernel"] + p["readout"]["bias"]
-        actual = jax.jit(model.predict_fn)(params, state, x)
+        actual = jit(model.predict_fn)(params, state, x)
         np.testing.assert_allclose(actual, expected, rtol=1e-10)
     # Token inputs: trailing pad_id=0 tokens leave the state unchanged.
     model, params, state, _ = tiny_setup("rnn")
@@ -641,7 +645,7 @@ def test_vmap_over_clients_equals_per_client_loop(name, conv_impl, dropout):
         params_c, state_c = stack([i[0] for i in inits]), stack([i[1] for i in inits])
         step = jax.value_and_grad(model.loss_fn, has_aux=True)
         keys_c = keys if dropout else None
-        vmapped = jax.jit(jax.vmap(step))(params_c, state_c, stack(batches), keys_c)
+        vmapped = jit(jax.vmap(step))(params_c, state_c, stack(batches), keys_c)
         single = f64_train_step(name, conv_impl)
         looped = stack([single(*inits[c], batches[c], keys[c]) for c in range(clients)])
         assert_trees_close(vmapped, looped, rtol=1e-9, atol=1e-12, msg="vmap != loop")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fast_jit
 
 from fedorth import models
 from fedorth.models import pretrained
@@ -48,7 +49,7 @@ def _load(name, fixture, num_classes, **extra):
         x = reference["input_ids"]
     else:
         x = reference["pixel_values_nchw"].transpose(0, 2, 3, 1)  # NCHW -> NHWC
-    params, state = jax.jit(model.init)(jax.random.key(0), x)
+    params, state = fast_jit(model.init)(jax.random.key(0), x)
     loaded, report = pretrained.load_pretrained(name, params, str(FIXTURES / fixture))
     return model, loaded, state, x, reference, report, params
 
@@ -59,7 +60,7 @@ def _load(name, fixture, num_classes, **extra):
 )
 def test_logits_match_the_reference_implementation(name, fixture, num_classes):
     model, params, state, x, reference, report, _ = _load(name, fixture, num_classes)
-    logits = jax.jit(model.predict_fn)(params, state, jnp.asarray(x))
+    logits = fast_jit(model.predict_fn)(params, state, jnp.asarray(x))
     # float32 end to end on both sides; differences are summation order (~1e-6 relative).
     np.testing.assert_allclose(np.asarray(logits), reference["logits"], rtol=2e-5, atol=2e-5)
     assert report.reinitialized == []

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fast_jit
 from PIL import Image, ImageEnhance, ImageOps
 
 from fedorth.data import randaugment as R
@@ -72,12 +73,12 @@ def test_translation_by_whole_pixels_shifts_and_fills_with_the_mean():
 
 def test_rand_augment_draws_ops_uniformly_and_keeps_shape_and_range():
     images = jnp.asarray(np.broadcast_to(IMAGE / 255.0, (64, 12, 10, 3)), jnp.float32)
-    out = jax.jit(R.rand_augment)(jax.random.key(0), images)
+    out = fast_jit(R.rand_augment)(jax.random.key(0), images)
     assert out.shape == images.shape and float(out.min()) >= 0.0 and float(out.max()) <= 1.0
     changed = np.any(np.abs(np.asarray(out) - np.asarray(images)) > 1e-6, axis=(1, 2, 3))
     # Each of 2 ops applies w.p. 1/2 (a few ops can be no-ops): P(untouched) >= 1/4.
     assert 0.1 < 1 - changed.mean() < 0.5
-    again = jax.jit(R.rand_augment)(jax.random.key(0), images)
+    again = fast_jit(R.rand_augment)(jax.random.key(0), images)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
 
 
@@ -108,10 +109,10 @@ def test_batches_are_augmented_then_resized_on_device_and_test_batches_resized()
     with tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_CODE):
         fed_data = builders.build_data(config, 0)
     batch_fn = builders.make_batch_fn(config)
-    batch = jax.jit(batch_fn)(fed_data, 0, jax.random.key(0))
+    batch = fast_jit(batch_fn)(fed_data, 0, jax.random.key(0))
     assert batch["x"].shape == (4, 48, 48, 3)
     config.data.rand_augment = False
-    plain = jax.jit(builders.make_batch_fn(config))(fed_data, 0, jax.random.key(0))
+    plain = fast_jit(builders.make_batch_fn(config))(fed_data, 0, jax.random.key(0))
     # Same examples (the sampling key is unchanged by RandAugment), different pixels.
     np.testing.assert_array_equal(batch["y"], plain["y"])
     assert float(jnp.abs(batch["x"] - plain["x"]).max()) > 0.1
