@@ -146,12 +146,16 @@ def test_traced_hyperparameters_compile_one_round_for_all_values():
     compare(grid, round_, states, metrics, exact=True)
 
 
-def test_stack_and_unstack_are_inverse():
+@pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
+def test_stack_and_unstack_are_inverse(replica_strategy):
     config = tiny("scaffold", "vmap")
     grid = Grid(config, {"seed": [42, 43, 44]})
-    round_ = ReplicaRound.from_grid(grid, strategy="vmap", chunk_size=2)
-    states = round_.initial_states()
-    again = round_.unstack(round_.stack(states))
+    round_ = ReplicaRound.from_grid(grid, strategy=replica_strategy, chunk_size=2)
+    states, _ = round_(round_.initial_states())
+    again = round_.unstack(round_.stack(states))  # what a resumed sweep runs from
+    # Both go on (the round donates its input: each replica must own its buffers).
+    states, _ = round_(states)
+    again, _ = round_(again)
     for index in range(3):
         a = round_.replica_state(states, index).replace(key=None)
         b = round_.replica_state(again, index).replace(key=None)
@@ -193,6 +197,25 @@ def test_a_key_the_algorithm_reads_as_a_number_is_refused():
     with pytest.raises(SweepError, match=r"sweep\.optim\.weight_decay is not sweepable") as info:
         ReplicaRound.from_grid(grid)
     assert "\n" not in str(info.value)
+
+
+def test_a_config_file_sweep_section_is_the_grid():
+    import ml_collections
+
+    from fedorth.sweep.grid import config_section
+
+    config = tiny("fedavg")
+    config.sweep = ml_collections.ConfigDict(
+        {"seed": (42, 43), "optim": {"learning_rate": (0.1, 0.03)}}
+    )
+    values = config_section(config)
+    assert values == {"seed": (42, 43), "optim.learning_rate": (0.1, 0.03)}
+    del config["sweep"]
+    grid = Grid(config, values)
+    assert grid.kinds == {"seed": "built", "optim.learning_rate": "traced"}
+    # A ConfigDict lists its keys sorted: optim.learning_rate varies slowest.
+    assert grid.replicas()[1] == {"optim.learning_rate": 0.1, "seed": 43}
+    assert grid.replica_config(grid.replicas()[2]).optim.learning_rate == 0.03
 
 
 def test_parse_sweep_argv():

@@ -296,7 +296,7 @@ class ReplicaRound:
 
         def replica(i):
             state = jax.tree.map(lambda x: x[i], stacked.replace(round=None))
-            return state.replace(round=jnp.asarray(rounds))
+            return state.replace(round=jnp.array(rounds))  # a buffer of its own: rounds donate it
 
         return [self._unit_state([replica(i) for i in unit]) for unit in self.units]
 
