@@ -18,7 +18,10 @@ Replica strategies (``replica_strategy``), like the clients' (``fed.strategy``):
   runs the same compiled round.
 
 With ``"sequential"`` a replica's numbers are bit for bit those of its single run; vmapped,
-they agree to float32 rounding (batched products may sum in another order).
+they agree to float32 rounding (batched products may sum in another order). Two exceptions,
+also to float32 rounding: a traced hyperparameter that the single run combines in Python
+(float64) before it reaches the round (SOAP's ``1 - b1``), and a traced one in a sharded round
+(XLA partitions a call with an operand unlike one with a constant); docs/SWEEPS.md.
 
 The data of the replicas is one argument: a leaf every replica has equal (the examples) is
 passed once, a leaf that differs (the clients' index rows of another seed's partition) is
