@@ -7,7 +7,9 @@ L/R factors (Theta; the Adam moments restart each round), correction with the gl
 Default preset: embedded digits on 2 CPU cores, 30 rounds, final test accuracy about 0.96 (seed
 42; 0.9583-0.9639 on the CPUs it ran on, docs/PERFORMANCE.md "Figures that depend on the
 machine"; FedPAC aligns Theta = {L, R} only, Alg. 2; ``fed.options.aligned="state"``, the whole
-state, gave 0.9694).
+state, gave 0.9694). Each round starts with SOAP's update-free step, as Local SOAP's rounds do
+(fedorth.optim.soap.soap_align_mask): 0.9611 on the machine where it was 0.9639 with K real steps
+per round.
 
 Presets: FedPAC (Liu et al.) Tables 1/3/12/13 with Table 8/10's FedPAC_SOAP row (lr 3e-3, beta 0.5,
 betas (0.95, 0.95), weight decay 0.01): ``cifar100_resnet18``, ``cifar100_vit``,

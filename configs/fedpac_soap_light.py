@@ -5,7 +5,8 @@ preconditioner state Theta low-rank (truncated SVD keeping 10% of each matrix's 
     python -m experiments.main --config=configs/fedpac_soap_light.py:cifar100_vit_dir0.05 --workdir=...
 
 Default preset: the FedPAC_SOAP default (configs/fedpac_soap.py), 30 rounds, final test accuracy
-0.96 (seed 42; 0.9611). Only L and R are truncated (Theta, FedPAC (Liu et al.) Alg. 2); with
+0.96 (seed 42; 0.9639, 0.9611 before each round started with SOAP's update-free step as Local
+SOAP's rounds do). Only L and R are truncated (Theta, FedPAC (Liu et al.) Alg. 2); with
 ``fed.options.aligned="state"`` the moments are too, a non-negative one projected back to >= 0
 (``fedorth.optim.compress.compress_leaf``).
 
