@@ -36,7 +36,6 @@ from experiments.bench import (
 )
 from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
-from fedorth.fed.round import resolve_strategy
 from fedorth.models.layers import (
     conv2d,
     conv_general_dilated_canonical,
@@ -655,7 +654,7 @@ def _assert_trees_close(a, b, rtol, atol):
 
 def test_auto_strategy_resolves_per_backend_and_keeps_the_round():
     """ "auto" is "sequential" on CPU and gives the round of the explicit strategies."""
-    assert resolve_strategy("auto") == "sequential" and resolve_strategy("vmap") == "vmap"
+    assert fed.resolve_strategy("auto") == "sequential" and fed.resolve_strategy("vmap") == "vmap"
     assert fed.RoundConfig(4, 2, 3, 0.1).strategy == "auto"
     x, data = _toy_federated((6,), 40)
     model = models.get_model("mlp", hidden_sizes=(8,), num_classes=3)
