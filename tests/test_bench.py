@@ -600,7 +600,7 @@ def test_conv_models_default_to_auto_and_match_lax():
     """A small CNN with the default conv_impl: same loss and gradients as nn.Conv (float64)."""
     assert models.get_model("lenet5").module.conv_impl == "auto"
     assert models.get_model("resnet18").module.conv_impl == "auto"
-    small = dict(features=(2, 3), dense_sizes=(4,), num_classes=5)
+    small = dict(features=(2, 3), dense_sizes=(), num_classes=5)  # the convolutions and logits
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3), jnp.float64)
         batch = {"x": x, "y": jnp.array([1, 3])}
