@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import fast_jit
 
 ExtraArgsFn = Callable[[Callable], dict] | None
 
@@ -88,7 +89,7 @@ def run_steps(
         u, s = tx.update(g, s, p, **extra)
         return (optax.apply_updates(p, u), s), loss
 
-    @jax.jit
+    @fast_jit
     def run(p):
         (p, _), losses = jax.lax.scan(body, (p, tx.init(p)), None, length=steps)
         return p, losses
@@ -115,7 +116,7 @@ def check_jit(
 ):
     """jit(update) runs, is finite, and equals the eager update over `grads_seq`."""
     extra = _extra(extra_args_fn, loss_fn)
-    update_jit = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_jit = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
     s_eager = s_jit = tx.init(params)
     for t, g in enumerate(grads_seq):
         u_eager, s_eager = tx.update(g, s_eager, params, **extra)
@@ -133,7 +134,7 @@ def check_shapes_dtypes(tx, params, grads_seq, *, extra_args_fn=None, loss_fn=No
     state = tx.init(params)
     spec = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
     state_spec = spec(state)
-    update_jit = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_jit = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
     for t, g in enumerate(grads_seq):
         u, state = update_jit(g, state, params)
         assert spec(u) == spec(g), f"step {t}: update shapes/dtypes {spec(u)} != grads {spec(g)}"
@@ -153,7 +154,7 @@ def check_no_recompile(tx, params, grads_seq, *, extra_args_fn=None, loss_fn=Non
         traces += 1
         return tx.update(g, s, p, **extra)
 
-    update_jit = jax.jit(update)
+    update_jit = fast_jit(update)
     state = tx.init(params)
     for g in grads_seq:
         _, state = update_jit(g, state, params)
@@ -193,7 +194,7 @@ def check_vmap_matches_loop(
     client = lambda tree, c: jax.tree.map(lambda x: x[c], tree)
 
     # The loop runs one client at a time through a jitted (unbatched) update.
-    update_one = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_one = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
     looped = []
     for c in range(num_clients):
         p = client(params_C, c)
@@ -214,7 +215,7 @@ def check_vmap_matches_loop(
     else:
         init = jax.vmap(tx.init)
         update = jax.vmap(lambda g, s, p: tx.update(g, s, p, **extra))
-    init, update = jax.jit(init), jax.jit(update)
+    init, update = fast_jit(init), fast_jit(update)
     p_C = params_C
     s_C = init(p_C)
     for t, g_C in enumerate(grads_seq_C):
@@ -237,8 +238,8 @@ def check_clip_chain(
     extra = _extra(extra_args_fn, loss_fn)
     chained = optax.chain(optax.clip_by_global_norm(max_norm), tx)
     s_chain, s_ref = chained.init(params), tx.init(params)
-    update_chain = jax.jit(lambda g, s, p: chained.update(g, s, p, **extra))
-    update_ref = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_chain = fast_jit(lambda g, s, p: chained.update(g, s, p, **extra))
+    update_ref = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
     for t, g in enumerate(grads_seq):
         norm = optax.global_norm(g)
         clipped = jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / norm), g)
@@ -266,8 +267,8 @@ def check_inject_hyperparams(
     extra = _extra(extra_args_fn, loss_fn)
     plain = factory(**kwargs)
     injected = optax.inject_hyperparams(factory, static_args=static_args)(**kwargs)
-    update_inj = jax.jit(lambda g, s, p: injected.update(g, s, p, **extra))
-    update_plain = jax.jit(lambda g, s, p: plain.update(g, s, p, **extra))
+    update_inj = fast_jit(lambda g, s, p: injected.update(g, s, p, **extra))
+    update_plain = fast_jit(lambda g, s, p: plain.update(g, s, p, **extra))
     s_plain, s_inj = plain.init(params), injected.init(params)
     assert "learning_rate" in s_inj.hyperparams, "learning_rate was not injected"
     first_state = s_inj
