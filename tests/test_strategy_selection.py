@@ -1,6 +1,6 @@
 """fed.strategy="auto" on one accelerator: the measured choice, and out-of-memory messages.
 
-No accelerator is needed: ``fed.round._backend`` pretends one, ``_dividing_devices`` pretends it
+No accelerator is needed: ``fed.execution._backend`` pretends one, ``_dividing_devices`` pretends it
 is alone, and a fake clock decides which candidate is faster.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedorth import fed, train
-from fedorth.fed import round as round_lib
+from fedorth.fed import autotune, execution, memory
 from fedorth.train import loop
 
 BACKEND_COMPILES = []
@@ -27,8 +27,8 @@ jax.monitoring.register_event_duration_secs_listener(
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    monkeypatch.setattr(round_lib, "_backend", lambda: "gpu")
-    monkeypatch.setattr(round_lib, "_dividing_devices", lambda clients_per_round: 1)
+    monkeypatch.setattr(execution, "_backend", lambda: "gpu")
+    monkeypatch.setattr(execution, "_dividing_devices", lambda clients_per_round: 1)
 
 
 def noisy_loss_fn(params, model_state, batch, key):
@@ -80,9 +80,9 @@ def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
     compile_s = {"vmap": 2.0, "sequential": 1.5}
     round_fn, server, data = _setup("auto", fake_clock(compile_s, round_s, order))
     assert isinstance(round_fn, fed.MeasuredRoundFn) and round_fn.strategy == "auto"
-    assert round_lib._measured_candidates(round_fn.config) == order
+    assert autotune.candidate_strategies(round_fn.config) == order
     with_chunks = dataclasses.replace(round_fn.config, chunk_size=3)
-    assert round_lib._measured_candidates(with_chunks) == ("vmap", "chunked", "sequential")
+    assert autotune.candidate_strategies(with_chunks) == ("vmap", "chunked", "sequential")
 
     selection = round_fn.select(server, data)
     assert selection["strategy"] == fastest == round_fn.strategy == round_fn.config.strategy
@@ -213,7 +213,7 @@ def test_a_round_out_of_memory_names_the_memory_and_the_remedies(monkeypatch):
     def message_for(strategy, chunk_size=None):
         config = fed.RoundConfig(12, 8, 3, 0.05, strategy=strategy, chunk_size=chunk_size)
         error = jax.errors.JaxRuntimeError(XLA_DUMP)
-        return round_lib._out_of_memory_message(error, config, jax.devices()[0])
+        return memory.out_of_memory_message(error, config, jax.devices()[0])
 
     # Fewer clients at once is the remedy only where more than one runs at once.
     message = message_for("sequential")
@@ -223,6 +223,6 @@ def test_a_round_out_of_memory_names_the_memory_and_the_remedies(monkeypatch):
     assert "runs 4 clients at a time" in message and "fed.chunk_size=2 " in message, message
     # The other sizes XLA reports: the GPU allocator's and the TPU compiler's.
     gpu = "RESOURCE_EXHAUSTED: Failed to allocate request for 16.00GiB (17179869184B) on device"
-    assert round_lib._requested_bytes(gpu) == 17179869184
+    assert memory._requested_bytes(gpu) == 17179869184
     tpu = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.5G of 15.48G hbm."
-    assert round_lib._requested_bytes(tpu) == int(20.5 * 2**30)
+    assert memory._requested_bytes(tpu) == int(20.5 * 2**30)

@@ -81,6 +81,24 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, rounds: int):
     return optax.piecewise_constant_schedule(lr, boundaries)
 
 
+def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
+    """The round's static settings (``fed.RoundConfig``) from a run's config: ``data.num_clients``,
+    ``fed.clients_per_round``, ``fed.local_steps``, the learning-rate schedule over
+    ``fed.rounds``, ``fed.strategy``, ``fed.chunk_size``, ``fed.unroll`` and ``spectral_drift``.
+    The one place a config becomes a ``RoundConfig`` (:func:`build`, :func:`dry_build` and the
+    config checks of ``fedorth.train.validate`` all call it)."""
+    return fed.RoundConfig(
+        num_clients=int(config.data.num_clients),
+        clients_per_round=int(config.fed.clients_per_round),
+        local_steps=int(config.fed.local_steps),
+        learning_rate=learning_rate_schedule(config.optim, int(config.fed.rounds)),
+        strategy=config.fed.get("strategy", "auto"),
+        chunk_size=config.fed.get("chunk_size"),
+        unroll=config.fed.get("unroll", 1),
+        spectral_drift=bool(config.get("spectral_drift", False)),
+    )
+
+
 def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.FederatedData:
     cfg = config.data
     kwargs = _to_dict(cfg.get("partition_kwargs"))
@@ -237,16 +255,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     if isinstance(model, lora.LoRAModel):
         params, frozen = model.split(params, adapter_key)
         fed_data = fed_data.replace(frozen_params=frozen)
-    round_config = fed.RoundConfig(
-        num_clients=int(config.data.num_clients),
-        clients_per_round=int(config.fed.clients_per_round),
-        local_steps=int(config.fed.local_steps),
-        learning_rate=learning_rate_schedule(config.optim, int(config.fed.rounds)),
-        strategy=config.fed.get("strategy", "auto"),
-        chunk_size=config.fed.get("chunk_size"),
-        unroll=config.fed.get("unroll", 1),
-        spectral_drift=bool(config.get("spectral_drift", False)),
-    )
+    round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     # A sharded round (fed.strategy "auto" on several devices) reads the data replicated on its
     # mesh: placed once here, not copied every round.
@@ -363,16 +372,7 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     model, params, model_state = _model_shapes(model_json, shape, jnp.dtype(dtype), num_classes)
     _, run_key = jax.random.split(jax.random.key(seed))
     num_clients = int(config.data.num_clients)
-    round_config = fed.RoundConfig(
-        num_clients=num_clients,
-        clients_per_round=int(config.fed.clients_per_round),
-        local_steps=int(config.fed.local_steps),
-        learning_rate=learning_rate_schedule(config.optim, int(config.fed.rounds)),
-        strategy=config.fed.get("strategy", "auto"),
-        chunk_size=config.fed.get("chunk_size"),
-        unroll=config.fed.get("unroll", 1),
-        spectral_drift=bool(config.get("spectral_drift", False)),
-    )
+    round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     server = jax.eval_shape(
         lambda p, s, k: fed.init_server(algorithm, p, s, num_clients=num_clients, key=k),

@@ -302,14 +302,7 @@ def _check_builds(c: _Checker, config) -> None:
         return
     try:
         algorithm = fed.get_algorithm(name, optim, **options)
-        fed.RoundConfig(
-            num_clients=int(config.data.num_clients),
-            clients_per_round=int(config.fed.clients_per_round),
-            local_steps=int(config.fed.local_steps),
-            learning_rate=builders.learning_rate_schedule(config.optim, int(config.fed.rounds)),
-            strategy=config.fed.get("strategy", "auto"),
-            chunk_size=config.fed.get("chunk_size"),
-        ).validate(algorithm)
+        builders.make_round_config(config).validate(algorithm)
     except (ValueError, TypeError) as e:
         c.fail(f"fed.algorithm={name!r} with fed.options={options}: {e}")
 
