@@ -187,7 +187,7 @@ def test_fafed_matches_the_reference_loop(k):
     steps, 3 rounds, mini-batches of a per-client least-squares problem): the averaged start
     (the engine's round-0 pre-pass; its step x_1 = x_0 - eta m_0 is folded into round 0's
     first local step), and the first STORM correction of a round uses each client's own
-    previous iterate, kept across the averaging (``FedAlgorithm.persistent_mask``). With K = 1
+    previous iterate, kept across the averaging (``start.Global(keep=...)``). With K = 1
     that correction is all the variance reduction there is: the round-restarting recursion
     (fedorth before the fix) is far from it."""
     n, rounds = 3, 3
@@ -235,11 +235,12 @@ def test_fafed_kept_iterates_in_every_strategy(strategy, chunk):
 
 
 def test_persistent_mask_is_checked():
-    """A kept leaf sits next to averaged ones (client_state='global') and is never averaged."""
+    """A kept leaf sits next to averaged ones (only a Global start keeps leaves) and is never
+    averaged."""
     alg = fed.get_algorithm("fafed", {"name": "sgd"})
-    with pytest.raises(ValueError, match="persistent_mask keeps some leaves per client"):
-        dataclasses.replace(alg, client_state="reset", aggregate_opt_state=False)
-    both = dataclasses.replace(alg, persistent_mask=fafed_aggregate_mask)
+    with pytest.raises(TypeError, match="keep"):
+        fed.start.Reset(keep=alg.start.keep)
+    both = dataclasses.replace(alg, start=dataclasses.replace(alg.start, keep=fafed_aggregate_mask))
     params = {"w": jnp.zeros((2, 2))}
     with pytest.raises(ValueError, match="select the same leaves"):
         fed.init_server(both, params, {}, num_clients=2, key=jax.random.key(0))

@@ -482,7 +482,7 @@ def test_fed_sophia_and_fedpm_match_numpy(name):
 
 
 def test_aggregate_delta_hook_mean_is_fedavg():
-    """aggregate_delta returning the engine's client mean reproduces FedAvg bit for bit.
+    """A ``combine`` returning the engine's client mean reproduces FedAvg bit for bit.
 
     With ``vmap`` the engine averages the client-stacked updates with ``mean_over_clients``, so
     the hook that receives the same stack and returns the same mean must give identical bits
@@ -491,8 +491,11 @@ def test_aggregate_delta_hook_mean_is_fedavg():
     base = fed.get_algorithm("fedavg", {"name": "sgd"})
     hooked = dataclasses.replace(
         base,
-        aggregate_delta=lambda server, deltas_C, reports_C: jax.tree.map(
-            fed_optim.mean_over_clients, deltas_C
+        server=dataclasses.replace(
+            base.server,
+            combine=lambda server, deltas_C, reports_C: jax.tree.map(
+                fed_optim.mean_over_clients, deltas_C
+            ),
         ),
     )
     want = _run(base, data, strategy="vmap").params["w"]

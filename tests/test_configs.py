@@ -236,7 +236,7 @@ def test_reset_state_keeps_k_at_least_the_refresh_interval(name):
         algorithm = fed.get_algorithm(
             config.fed.algorithm, config.optim.to_dict(), **config.fed.options.to_dict()
         )
-        if algorithm.client_state != "reset":
+        if algorithm.start.name != "reset":
             continue
         interval = config.optim.get(
             "update_interval" if optimizer == "sophia" else "precondition_frequency", 10

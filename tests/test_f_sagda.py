@@ -157,13 +157,15 @@ def test_f_sagda_communication():
 
 
 def test_prepass_floats_needs_a_prepass():
-    with pytest.raises(ValueError, match="prepass_floats without client_prepass"):
+    """The pre-pass's accounting belongs to the pre-pass: there is nothing to set without one."""
+    with pytest.raises(TypeError, match="prepass_floats"):
         fed.FedAlgorithm(name="x", local_tx=_algorithm().local_tx, prepass_floats=1.0)
+    assert _algorithm().corrections.prepass.floats == 1.0
 
 
 @pytest.mark.parametrize("per_client", [True, False])
 def test_prepass_per_client_hands_out_the_own_results_only_when_asked(per_client):
-    """``prepass_per_client=False`` (FAFED's start): the local optimizer gets the sampled
+    """``Prepass(per_client=False)`` (FAFED's start): the local optimizer gets the sampled
     clients' mean only, and the engine stacks nothing per client; the mean is the same."""
     import optax
 
@@ -179,8 +181,9 @@ def test_prepass_per_client_hands_out_the_own_results_only_when_asked(per_client
     algorithm = fed.FedAlgorithm(
         name="mean_of_prepass",
         local_tx=optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn),
-        client_prepass=prepass,
-        prepass_per_client=per_client,
+        corrections=fed.corrections.Corrections(
+            prepass=fed.corrections.Prepass(prepass, per_client=per_client)
+        ),
     )
     toy = _toy()
     config = fed.RoundConfig(num_clients=N, clients_per_round=S, local_steps=1, learning_rate=LR)

@@ -529,8 +529,8 @@ def test_lmo_paper_compared_methods_share_the_round_structure(preset):
                 config.fed.algorithm, config.optim.to_dict(), **config.fed.options.to_dict()
             )
             structure[f"{method}:{name}"] = {
-                "client_state": algorithm.client_state,
-                "server_rule": algorithm.server_rule,
+                "client_state": algorithm.start.name,
+                "server_rule": algorithm.server.rule.name,
             }
     assert len(structure) == 6, sorted(structure)
     assert_same(f"{preset} round structure", structure)

@@ -403,8 +403,11 @@ def test_aggregate_mask_selects_the_aligned_part_of_the_state():
 
     adamw = {"name": "adamw"}
     aligned = fed.get_algorithm("fedpac", adamw, beta=0.0)
-    none = dataclasses.replace(aligned, aggregate_mask=lambda s: jax.tree.map(lambda _: False, s))
-    every = dataclasses.replace(aligned, aggregate_mask=lambda s: jax.tree.map(lambda _: True, s))
+    mask = lambda value: dataclasses.replace(  # noqa: E731
+        aligned.start, mask=lambda s: jax.tree.map(lambda _: value, s)
+    )
+    none = dataclasses.replace(aligned, start=mask(False))
+    every = dataclasses.replace(aligned, start=mask(True))
     local = fed.get_algorithm("local_adamw", adamw)
     run = lambda alg: _server_after(alg, "vmap", n=6, s=3, rounds=3)[0].params["w"]
     w_local, w_aligned = run(local), run(aligned)  # each round compiled once
@@ -418,7 +421,8 @@ def test_aggregate_mask_selects_the_aligned_part_of_the_state():
 
 
 def test_precond_drift_counts_only_the_aligned_leaves_on_both_paths():
-    """With an aggregate_mask, preconditioner drift covers the aligned leaves only: the streamed
+    """With a warm-start mask (start.Global(mask=...)), preconditioner drift covers the aligned
+    leaves only: the streamed
     summary (sequential) equals the client stack's (spectral_drift forces the stacked path), and
     an all-False mask reports no drift on either path."""
     import dataclasses
@@ -432,8 +436,9 @@ def test_precond_drift_counts_only_the_aligned_leaves_on_both_paths():
         mask = jax.tree.map(lambda _: False, state)
         return (mask[0]._replace(mu=jax.tree.map(is_float, state[0].mu)), *mask[1:])
 
-    masked = dataclasses.replace(full, aggregate_mask=first_moment_only)
-    none = dataclasses.replace(full, aggregate_mask=lambda st: jax.tree.map(lambda _: False, st))
+    masked = dataclasses.replace(full, start=fed.start.Global(mask=first_moment_only))
+    no_mask = fed.start.Global(mask=lambda st: jax.tree.map(lambda _: False, st))
+    none = dataclasses.replace(full, start=no_mask)
     run = lambda alg, strategy, spectral=False: _server_after(
         alg, strategy, n=6, s=4, spectral_drift=spectral
     )[1]
@@ -462,12 +467,14 @@ def test_server_extra_reaches_clients_and_is_updated_from_reports():
         local_tx=optax.chain(
             optax.GradientTransformationExtraArgs(lambda p: (), spy), base.local_tx
         ),
-        server_extra_init=lambda p: {"last_delta": jax.tree.map(jnp.zeros_like, p)},
-        client_report=lambda ctx: {
-            "delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])
-        },
-        server_extra_update=lambda server, reports, lr: {"last_delta": reports["delta"]},
-        report_floats=1.0,
+        quantities=fed.quantities.ServerQuantities(
+            init=lambda p: {"last_delta": jax.tree.map(jnp.zeros_like, p)},
+            update=lambda server, reports, lr: {"last_delta": reports["delta"]},
+        ),
+        report=fed.quantities.ClientReport(
+            lambda ctx: {"delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])},
+            floats=1.0,
+        ),
     )
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
     server = fed.init_server(alg, params, {}, num_clients=6, key=jax.random.key(0))

@@ -300,7 +300,7 @@ def test_light_upload_compresses_theta_only():
             lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if x.ndim else x,
             alg.local_tx.init(params)[0],  # the SoapState of the local chain
         )
-        out = _compress_state(state, alg.state_compression, alg.aggregate_mask)
+        out = _compress_state(state, alg.start.compression, alg.start.mask)
         for a, b in zip(jax.tree.leaves(out.Q), jax.tree.leaves(state.Q), strict=True):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(jax.tree.leaves(out.GG), jax.tree.leaves(state.GG), strict=True):
@@ -343,10 +343,10 @@ def test_sophia_optax_form_is_refused_under_theta_alignment():
     optim = {"name": "sophia", "clip_mode": "optax"}
     with pytest.raises(ValueError, match="optim.clip_mode='paper'.*fed.options.aligned='state'"):
         fed.get_algorithm("fedpac_sophia", optim)
-    assert fed.get_algorithm("fedpac_sophia", optim, aligned="state").aggregate_mask is None
+    assert fed.get_algorithm("fedpac_sophia", optim, aligned="state").start.mask is None
     with pytest.raises(ValueError, match=r"fed.options.aligned='all'; valid: \('theta', 'state'\)"):
         fed.get_algorithm("fedpac_soap", {"name": "soap"}, aligned="all")
-    assert fed.get_algorithm("fedpac_soap", {"name": "soap"}).aggregate_mask is federated.align_mask
+    assert fed.get_algorithm("fedpac_soap", {"name": "soap"}).start.mask is federated.align_mask
 
 
 @pytest.mark.parametrize(

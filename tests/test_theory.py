@@ -197,7 +197,7 @@ def test_observe_clients_follows_the_engine(x64, name, options):
         assert jax.tree.leaves(states_C)[-1].shape[0] == 3
         drift = fed_metrics.preconditioner_drift(states_C)["precond_drift"]
         np.testing.assert_allclose(metrics_o["precond_drift"], drift, rtol=1e-6)
-        if alg.aggregate_opt_state:
+        if alg.start.averaged:
             np.testing.assert_allclose(metrics_o["precond_drift"], metrics["precond_drift"], 1e-6)
             mean = jax.tree.map(lambda x: np.mean(np.asarray(x), axis=0), states_C)
             for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(server.opt_state), strict=True):

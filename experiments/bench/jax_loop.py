@@ -5,10 +5,11 @@ one jitted call, then a jitted server update. It runs the engine's algorithm, no
 the server state is `fed.init_server`'s, the clients and keys are the engine's
 (`sample_clients`, ``fold_in(round_key, client)``, then ``fold_in(client_key, step)`` split
 into batch, model and optimizer keys), the local optimizer is the algorithm's ``local_tx``, a
-warm start keeps the leaves of the algorithm's ``aggregate_mask`` (FedPAC's Θ, FedLADA's second
-moment) and restarts the others, the optimizer states are averaged by
-`fedorth.optim.federated.average_states` and the server step is the algorithm's ``server_tx``
-and ``server_rule``; `unsupported` names the design-axis values it does not implement.
+client's start is its client-start spec's (``fedorth.fed.start``: a warm start keeps the leaves
+of ``Global.mask``, FedPAC's Θ, FedLADA's second moment, and restarts the others), the optimizer
+states are averaged by `fedorth.optim.federated.average_states` and the server step is the
+server-update spec's (``fedorth.fed.update``: its optimizer and rule); `unsupported` names the
+design-axis values it does not implement.
 tests/test_bench.py runs the bench's algorithms and each other path of the loop for 3 rounds
 against ``fed.make_round_fn`` and requires the two to agree to float32 rounding.
 """
@@ -33,59 +34,46 @@ from fedorth.optim import federated as fed_optim
 
 def unsupported(algorithm: fed.FedAlgorithm) -> str | None:
     """Why the loop cannot run `algorithm` (a design-axis value it does not implement), or None."""
+    start = algorithm.start
     checks = {
-        "clients that keep their own state": algorithm.client_state == "persistent",
-        "per-client kept leaves (persistent_mask)": algorithm.persistent_mask is not None,
-        "control variates": algorithm.control_variates is not None,
-        "client reports": algorithm.client_report is not None,
-        "a client pre-pass": algorithm.client_prepass is not None,
-        "a custom delta aggregation": algorithm.aggregate_delta is not None,
-        "low-rank state compression": algorithm.state_compression is not None,
+        "clients that keep their own state": start.name == "persistent",
+        "per-client kept leaves (start.Global(keep=...))": getattr(start, "keep", None) is not None,
+        "control variates": algorithm.corrections.control is not None,
+        "client reports": algorithm.report is not None,
+        "server quantities": algorithm.quantities is not None,
+        "a client pre-pass": algorithm.corrections.prepass is not None,
+        "a custom delta aggregation": algorithm.server.combine is not None,
+        "low-rank state compression": getattr(start, "compression", None) is not None,
     }
     missing = [what for what, needed in checks.items() if needed]
     return f"jax_loop does not implement {', '.join(missing)}" if missing else None
 
 
 def client_start(algorithm: fed.FedAlgorithm, server: fed.ServerState):
-    """The local optimizer's state at the start of a client's round.
-
-    ``"reset"``: ``local_tx.init``; ``"global"``: the server's averaged state on the leaves of
-    ``aggregate_mask`` (all of them without a mask), ``init`` on the others.
-    """
-    fresh = algorithm.local_tx.init(server.params)
-    if algorithm.client_state == "reset":
-        return fresh
-    if algorithm.aggregate_mask is None:
-        return server.opt_state
-    mask = algorithm.aggregate_mask(fresh)
-    return jax.tree.map(lambda keep, g, f: g if keep else f, mask, server.opt_state, fresh)
+    """The local optimizer's state at the start of a client's round: the client-start spec's
+    (``fedorth.fed.start``; ``Reset``: ``init``, ``Global``: the averaged state on its mask)."""
+    return algorithm.start.client_start(algorithm.local_tx, server, None)
 
 
 def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, results_C, lr):
     """The next server state from the sampled clients' final ``(params, model_state,
-    opt_state)``, client-stacked: the mean update through ``server_tx``, scaled by
-    ``server_rule``; the averaged model and optimizer states; ``g_G = -mean(dx) / (K lr)``."""
+    opt_state)``, client-stacked: the mean update through the server-update spec
+    (``fedorth.fed.update``: its rule and optimizer); the averaged model and optimizer states;
+    ``g_G = -mean(dx) / (K lr)``."""
     params_C, model_state_C, opt_state_C = results_C
     k = config.local_steps
     mean_delta = jax.tree.map(lambda p, p0: jnp.mean(p, 0) - p0, params_C, server.params)
-    scale = {
-        "mean": 1.0,
-        "partial": config.clients_per_round / config.num_clients,
-        "global_step": algorithm.server_lr / (k * lr),
-    }[algorithm.server_rule]
-    pseudo_grad = jax.tree.map(lambda d: -scale * d, mean_delta)
-    updates, server_opt_state = algorithm.server_tx.update(
-        pseudo_grad, server.server_opt_state, server.params
-    )
+    n, s = config.num_clients, config.clients_per_round
+    params, server_opt_state = algorithm.server.step(server, mean_delta, lr, n, s, k)
     new = server.replace(
         round=server.round + 1,
-        params=optax.apply_updates(server.params, updates),
+        params=params,
         model_state=jax.tree.map(lambda x: jnp.mean(x, 0), model_state_C),
         server_opt_state=server_opt_state,
     )
-    if algorithm.aggregate_opt_state:
+    if algorithm.start.averaged:
         new = new.replace(opt_state=fed_optim.average_states(opt_state_C))
-    if algorithm.uses_global_direction:
+    if algorithm.corrections.global_direction:
         new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
     return new
 
@@ -107,7 +95,7 @@ class JaxLoopRound:
         def extras(server):
             """The local optimizer's extra arguments for this round."""
             out = {**server.extra, "learning_rate": config.lr(server.round)}
-            if algorithm.uses_global_direction:
+            if algorithm.corrections.global_direction:
                 out["global_direction"] = server.global_direction
             return out
 

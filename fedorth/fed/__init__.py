@@ -1,5 +1,14 @@
-"""The federated engine: algorithms as compositions, one compiled round, metrics."""
+"""The federated engine: algorithms as compositions, one compiled round, metrics.
 
+An algorithm (:class:`FedAlgorithm`) holds one spec per design axis: ``start`` (how a client's
+optimizer state starts a round), ``corrections`` (the server quantities its local corrections
+read), ``quantities`` and ``report`` (server quantities, client reports) and ``server`` (the
+server update). :func:`make_round_fn` compiles any of them into one round; :func:`round_body`
+is that round as a plain function of ``(server, data)``. docs/ARCHITECTURE.md describes the
+modules, the axes' contract and where to add what.
+"""
+
+from fedorth.fed import corrections, quantities, start, update  # noqa: F401  (the axes' specs)
 from fedorth.fed.accounting import communication_bytes  # noqa: F401
 from fedorth.fed.algorithm import FedAlgorithm  # noqa: F401
 from fedorth.fed.algorithms import ALGORITHMS, get_algorithm  # noqa: F401

@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import jax
-
 from fedorth.fed import metrics as fed_metrics
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.state import ServerState
-from fedorth.optim import federated as fed_optim
 
 
 def communication_bytes(algorithm: FedAlgorithm, server: ServerState) -> dict[str, int]:
     """Bytes one participating client sends up and receives down per round.
 
-    Up: the update ``dx`` (|x|), the model state, the optimizer state when aggregated (its
-    uploaded leaves, low-rank when compressed), and ``c_i+`` with control variates. Down: ``x``,
-    the model state, the averaged optimizer state, ``g_G`` and ``c`` when used.
+    Both ways: ``x`` (down) or the update ``dx`` (up), and the model state; then what each design
+    axis sends (its spec's ``comm_bytes``): the averaged optimizer state's uploaded leaves
+    (low-rank when compressed), ``g_G`` and the control variates, the pre-pass, the reports and
+    the server quantities.
     """
-    params = fed_metrics.tree_bytes(server.params)
-    model_state = fed_metrics.tree_bytes(server.model_state)
-    up = down = params + model_state
-    if algorithm.aggregate_opt_state:
-        mask = fed_optim.upload_mask(server.opt_state)
-        if algorithm.aggregate_mask is not None:
-            mask = jax.tree.map(
-                lambda a, b: bool(a and b), mask, algorithm.aggregate_mask(server.opt_state)
-            )
-        down += fed_metrics.tree_bytes(server.opt_state, mask)
-        if algorithm.state_compression is not None:
-            up += fed_metrics.low_rank_bytes(server.opt_state, mask, algorithm.state_compression)
-        else:
-            up += fed_metrics.tree_bytes(server.opt_state, mask)
-    if algorithm.uses_global_direction:
-        down += fed_metrics.tree_bytes(server.global_direction)
-    if algorithm.control_variates:
-        up += params
-        down += params
-    if algorithm.report_floats:
-        up += int(algorithm.report_floats * params)
-    if algorithm.prepass_floats:
-        # The pre-pass: each sampled client's result up, their mean down.
-        up += int(algorithm.prepass_floats * params)
-        down += int(algorithm.prepass_floats * params)
-    down += fed_metrics.tree_bytes(server.extra)
+    up = down = fed_metrics.tree_bytes(server.params) + fed_metrics.tree_bytes(server.model_state)
+    specs = (algorithm.start, algorithm.corrections, algorithm.report, algorithm.quantities)
+    for spec in specs:
+        if spec is not None:
+            spec_up, spec_down = spec.comm_bytes(server)
+            up, down = up + spec_up, down + spec_down
     return {"bytes_up": up, "bytes_down": down}

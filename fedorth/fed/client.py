@@ -20,32 +20,20 @@ import optax
 
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.config import RoundConfig
-from fedorth.fed.server import persistent_mask
-from fedorth.fed.state import ServerState, masked_leaves, with_masked_leaves
+from fedorth.fed.corrections import control_diff
+from fedorth.fed.state import ClientState, ServerState
 from fedorth.models import layers
-from fedorth.optim import federated as fed_optim
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[PyTree, dict]]]
 BatchFn = Callable[[PyTree, jax.Array, jax.Array], PyTree]
 
 
-def compress_state(state: PyTree, ratio: float, aggregate_mask=None) -> PyTree:
-    """The uploaded leaves low-rank, in Muon's matrix view (``fedorth.optim.compress``): those
-    of ``fed_optim.upload_mask`` that ``aggregate_mask`` keeps (FedPAC: Θ only)."""
-    from fedorth.optim.compress import compress_tree
-
-    mask = fed_optim.upload_mask(state)
-    if aggregate_mask is not None:
-        mask = jax.tree.map(lambda a, b: bool(a and b), mask, aggregate_mask(state))
-    return compress_tree(state, mask, ratio)
-
-
 def make_prepass_fn(
     algorithm: FedAlgorithm, loss_fn: LossFn, batch_fn: BatchFn, config: RoundConfig
 ) -> Callable:
-    """``prepass_fn(server, data, lr, round_key, client_id)``: ``algorithm.client_prepass`` of
-    one sampled client at the server point."""
+    """``prepass_fn(server, data, lr, round_key, client_id)``: the algorithm's pre-pass
+    (``fedorth.fed.corrections.Prepass``) of one sampled client at the server point."""
     k = config.local_steps
 
     def prepass_fn(server: ServerState, data: PyTree, lr: jax.Array, round_key, client_id):
@@ -59,7 +47,7 @@ def make_prepass_fn(
             return jax.grad(lambda p: loss_fn(p, server.model_state, batch, model_key)[0])(params)
 
         ctx = {"params": server.params, "server": server, "learning_rate": lr, "batch": batch}
-        return algorithm.client_prepass({**ctx, "grad_fn": grad_fn})
+        return algorithm.corrections.prepass.fn({**ctx, "grad_fn": grad_fn})
 
     return prepass_fn
 
@@ -104,109 +92,61 @@ def local_steps(
     return jax.lax.scan(step, start, jnp.arange(config.local_steps), unroll=config.unroll)
 
 
-def start_state(algorithm: FedAlgorithm, server: ServerState, persistent) -> PyTree:
-    """The local optimizer's state when the client's round starts."""
-    tx = algorithm.local_tx
-    mode = algorithm.client_state
-    if mode == "reset":
-        return tx.init(server.params)
-    if mode == "persistent":
-        return persistent.opt_state
-    opt_state = server.opt_state
-    if algorithm.aggregate_mask is not None:
-        fresh = tx.init(server.params)
-        opt_state = jax.tree.map(
-            lambda keep, g, f: g if keep else f,
-            algorithm.aggregate_mask(fresh),
-            opt_state,
-            fresh,
-        )
-    if algorithm.persistent_mask is not None:
-        # The leaves each client keeps (FAFED's previous iterate), next to the averaged.
-        kept = persistent_mask(algorithm, opt_state)
-        opt_state = with_masked_leaves(opt_state, kept, persistent.opt_state)
-    return opt_state
-
-
-def local_extras(algorithm, server, lr, persistent, prepass_mean, prepass) -> dict[str, Any]:
-    """The local optimizer's extra arguments: server quantities, corrections, pre-pass."""
-    extras: dict[str, Any] = {**server.extra, "learning_rate": lr}
-    if algorithm.uses_global_direction:
-        extras["global_direction"] = server.global_direction
-    if algorithm.control_variates:
-        extras["control_correction"] = jax.tree.map(
-            lambda c, ci: c - ci, server.control, persistent.control
-        )
-    for name, mean in prepass_mean.items():
-        extras[f"{name}_mean"] = mean
-        if name in prepass:
-            extras[name] = prepass[name]
-    return extras
-
-
 def make_client_fn(
     algorithm: FedAlgorithm, loss_fn: LossFn, batch_fn: BatchFn, config: RoundConfig
 ) -> Callable:
     """``client_fn(server, data, lr, round_key, prepass_mean, xs) -> (out, new_persistent)``
-    with ``xs = (client_id, persistent, prepass)``: one client's round."""
-    tx = algorithm.local_tx
+    with ``xs = (client_id, persistent, prepass)``: one client's round.
+
+    ``out`` holds the update ``delta = x_i^K - x^r``, the model state, the mean loss, the
+    uploaded optimizer state and the report; ``new_persistent`` what the client keeps
+    (``ClientState``, or None).
+    """
+    tx, start, corrections = algorithm.local_tx, algorithm.start, algorithm.corrections
     k = config.local_steps
 
     def client_fn(server: ServerState, data: PyTree, lr: jax.Array, round_key, prepass_mean, xs):
         client_id, persistent, prepass = xs
         client_key = jax.random.fold_in(round_key, client_id)
         params0 = server.params
-        opt_state = start_state(algorithm, server, persistent)
-        extras = local_extras(algorithm, server, lr, persistent, prepass_mean, prepass)
-        start = (params0, server.model_state, opt_state)
+        kept = control_i = None
+        if persistent is not None:
+            kept, control_i = persistent.opt_state, persistent.control
+        opt_state = start.client_start(tx, server, kept)
+        extras: dict[str, Any] = {**server.extra, "learning_rate": lr}
+        extras.update(corrections.client_args(server, control_i, prepass_mean, prepass))
         (params, model_state, opt_state), losses = local_steps(
-            tx, loss_fn, batch_fn, config, start, data, client_id, client_key, extras
+            tx,
+            loss_fn,
+            batch_fn,
+            config,
+            (params0, server.model_state, opt_state),
+            data,
+            client_id,
+            client_key,
+            extras,
         )
         delta = jax.tree.map(lambda a, b: a - b, params, params0)
         out = {"delta": delta, "model_state": model_state, "loss": jnp.mean(losses)}
-        new_persistent = finish(algorithm, out, params, opt_state, persistent, server, lr, k)
-        return out, new_persistent
+        # The final state: uploaded when averaged; else its Θ only enters the drift metric.
+        out["opt_state"], kept = start.client_end(opt_state)
+        if algorithm.report is not None:
+            out["report"] = algorithm.report.fn(
+                {
+                    "params0": params0,
+                    "params": params,
+                    "opt_state": out["opt_state"],
+                    "persistent": persistent,
+                    "server": server,
+                    "learning_rate": lr,
+                }
+            )
+        control = corrections.client_control(control_i, server, delta, out["opt_state"], k, lr)
+        if persistent is None:
+            return out, None
+        return out, ClientState(opt_state=kept, control=control)
 
     return client_fn
-
-
-def finish(algorithm, out, params, opt_state, persistent, server, lr, k):
-    """Fills ``out`` with what the client uploads; returns what it keeps (``ClientState``)."""
-    delta = out["delta"]
-    new_persistent = persistent
-    if algorithm.persistent_mask is not None:
-        kept = masked_leaves(opt_state, persistent_mask(algorithm, opt_state))
-        new_persistent = new_persistent.replace(opt_state=kept)
-    if algorithm.aggregate_opt_state and algorithm.state_compression is not None:
-        opt_state = compress_state(opt_state, algorithm.state_compression, algorithm.aggregate_mask)
-    # The final state: uploaded when aggregated; else its Θ only enters the drift metric.
-    out["opt_state"] = opt_state
-    if algorithm.client_report is not None:
-        out["report"] = algorithm.client_report(
-            {
-                "params0": server.params,
-                "params": params,
-                "opt_state": opt_state,
-                "persistent": persistent,
-                "server": server,
-                "learning_rate": lr,
-            }
-        )
-    if algorithm.client_state == "persistent":
-        new_persistent = new_persistent.replace(opt_state=opt_state)
-    if algorithm.control_variates == "scaffold":
-        # Option II of Karimireddy et al. (2020), Eq. (4): c_i+ = c_i - c + (x - y_i)/(K eta).
-        new_control = jax.tree.map(
-            lambda ci, c, d: ci - c - d / (k * lr),
-            persistent.control,
-            server.control,
-            delta,
-        )
-        new_persistent = new_persistent.replace(control=new_control)
-    elif algorithm.control_variates == "momentum":
-        # FedMuon-LMO Alg. 1 line 11: C_i^(r+1) <- M_i^(r,K).
-        new_persistent = new_persistent.replace(control=algorithm.momentum_fn(opt_state))
-    return new_persistent
 
 
 def per_client_outputs(algorithm: FedAlgorithm, client_fn: Callable, drift, has_clients: bool):
@@ -220,14 +160,12 @@ def per_client_outputs(algorithm: FedAlgorithm, client_fn: Callable, drift, has_
         stacked: dict[str, Any] = {}
         if has_clients:
             stacked["persistent"] = new_persistent
-        if algorithm.control_variates:
-            averaged["control_diff"] = jax.tree.map(
-                jnp.subtract, new_persistent.control, xs[1].control
-            )
+        if algorithm.corrections.control:
+            averaged["control_diff"] = control_diff(new_persistent.control, xs[1].control)
         drift_lib.client_outputs(algorithm, drift, out["opt_state"], averaged, stacked)
         if "report" in out:
             averaged["report"] = out["report"]
-        if algorithm.aggregate_delta is not None:
+        if algorithm.server.combine is not None:
             stacked["delta"] = out["delta"]
             stacked["report"] = out.get("report", {})
         return averaged, stacked

@@ -3,10 +3,10 @@
 FedPAC (Liu et al.) Def. 1 / Eq. 7: ``(1/S) sum_i ||Theta_i - Theta-bar||^2`` over the clients'
 final preconditioner states ``Theta`` (``fedorth.optim.federated.theta_mask``: SOAP ``{L, R}``,
 Sophia ``{h}``, Muon ``{m}``). An algorithm that averages the optimizer state measures it over
-the aligned part of ``Theta`` (its ``aggregate_mask``); Local-X (state reset or kept per client,
-never averaged) still logs the drift of its ``Theta`` when its optimizer declares one (Fig. 3/5):
-the clients' ``Theta`` leaves are then summarized (or stacked for the spectral variant), nothing
-is uploaded or averaged.
+the averaged part of ``Theta`` (``fedorth.fed.start.Global.mask``); Local-X (state reset or
+kept per client, never averaged) still logs the drift of its ``Theta`` when its optimizer
+declares one (Fig. 3/5): the clients' ``Theta`` leaves are then summarized (or stacked for the
+spectral variant), nothing is uploaded or averaged.
 
 What is averaged is summarized while clients run (``fed.reduce``); the optimizer states are
 stacked over the clients instead when the spectral drift is asked for or when the state has a
@@ -32,14 +32,13 @@ PyTree = Any
 
 def _drift_mask(algorithm: FedAlgorithm, opt_shape: PyTree, server: ServerState) -> PyTree:
     """Leaves of the optimizer state that enter the preconditioner drift: its Θ
-    (``fed_optim.theta_mask``: FedPAC (Liu et al.) §3.2), restricted to the aligned part."""
+    (``fed_optim.theta_mask``: FedPAC (Liu et al.) §3.2), restricted to the averaged part."""
     mask = fed_optim.theta_mask(opt_shape)
-    if algorithm.aggregate_mask is None:
+    aligned = algorithm.start.aligned_mask(server.opt_state)
+    if aligned is None:
         return mask
     return jax.tree.map(
-        lambda keep, sub: jax.tree.map(lambda m: bool(m and keep), sub),
-        algorithm.aggregate_mask(server.opt_state),
-        mask,
+        lambda keep, sub: jax.tree.map(lambda m: bool(m and keep), sub), aligned, mask
     )
 
 
@@ -68,17 +67,17 @@ def plan(algorithm: FedAlgorithm, config: RoundConfig, server: ServerState) -> D
     """The :class:`DriftPlan` of a round of ``algorithm`` from ``server``."""
     opt_shape = jax.eval_shape(algorithm.local_tx.init, server.params)
     stream_opt = (
-        algorithm.aggregate_opt_state
+        algorithm.start.averaged
         and not config.spectral_drift
         and not fed_optim.has_average_rule(opt_shape)
     )
     spread: dict[str, Any] = {"delta": None}
     drift_mask = theta_mask = None
-    if algorithm.aggregate_opt_state:
+    if algorithm.start.averaged:
         drift_mask = _drift_mask(algorithm, opt_shape, server)
     if stream_opt:
         spread["opt_state"] = drift_mask
-    theta_drift = not algorithm.aggregate_opt_state and fed_optim.declares_theta(opt_shape)
+    theta_drift = not algorithm.start.averaged and fed_optim.declares_theta(opt_shape)
     if theta_drift:
         theta_mask = fed_optim.theta_mask(opt_shape)
         if not config.spectral_drift:
@@ -90,7 +89,7 @@ def client_outputs(
     algorithm: FedAlgorithm, drift: DriftPlan, opt_state: PyTree, averaged: dict, stacked: dict
 ) -> None:
     """Puts a client's final optimizer state (or its ``Theta``) where the round needs it."""
-    if algorithm.aggregate_opt_state:
+    if algorithm.start.averaged:
         (averaged if drift.stream_opt else stacked)["opt_state"] = opt_state
     if drift.theta_drift:
         theta = reduce.masked_leaves(opt_state, drift.theta_mask)
@@ -109,7 +108,7 @@ def server_opt_state(
             # FedPAC (Liu et al.) Eq. (7): (1/S) sum_i ||Theta_i - Theta-bar||^2 over uploaded
             # leaves.
             metrics["precond_drift"] = stats["m2"]["opt_state"] / s
-    elif algorithm.aggregate_opt_state:
+    elif algorithm.start.averaged:
         states = stacked["opt_state"]
         new = new.replace(opt_state=fed_optim.average_states(states))
         metrics.update(

@@ -216,7 +216,7 @@ def calls_host_lapack(algorithm: FedAlgorithm) -> bool:
 
     if linalg.HOST_CALLS_SHARD:
         return False
-    if algorithm.state_compression is not None:
+    if getattr(algorithm.start, "compression", None) is not None:
         return True
     probe = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
     state = jax.eval_shape(algorithm.local_tx.init, probe)

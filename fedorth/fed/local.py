@@ -267,7 +267,7 @@ def local_tx(
       weight_decay: decoupled weight decay ``lambda`` (added after mixing, before the lr); a
         mapping ``{"matrix": ..., "other": ...}`` decays the groups of :func:`matrix_labels`
         each at its own rate (:func:`decay_rates`).
-      mix_beta: if not None, mix with the global direction (``uses_global_direction``).
+      mix_beta: if not None, mix with the global direction (``Corrections(global_direction=True)``).
       pre: transforms applied to the gradient first (SCAFFOLD's control-variate correction).
     """
     rates = dict(weight_decay) if isinstance(weight_decay, Mapping) else {"all": weight_decay}

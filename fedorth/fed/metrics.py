@@ -10,7 +10,7 @@
   Local-X (states reset or kept per client) too, for Fig. 3/5's Local-vs-FedPAC comparison.
 * Communication: bytes a client sends up and receives down per round, counted from the arrays the
   algorithm actually transmits (FedMuon (Liu et al.) Table 7, FedPAC (Liu et al.) Tables 6 and
-  11 accounting; FedPAC sends its Θ only, ``FedAlgorithm.aggregate_mask``, and SOAP's
+  11 accounting; FedPAC sends its Θ only, ``fedorth.fed.start.Global.mask``, and SOAP's
   eigenbases are never sent); low-rank uploads count ``k (m + n + 1)``
   numbers per matrix (``fedorth.optim.compress``, which also says how the papers' own figures
   count).

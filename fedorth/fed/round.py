@@ -23,11 +23,11 @@ from fedorth.fed import autotune, client, drift, execution, reduce
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.autotune import MeasuredRoundFn
 from fedorth.fed.client import BatchFn, LossFn
-from fedorth.fed.client import compress_state as _compress_state  # noqa: F401
 from fedorth.fed.compiled import RoundFn
 from fedorth.fed.config import RoundConfig
 from fedorth.fed.execution import client_conv_trace_mode, resolve_strategy  # noqa: F401
 from fedorth.fed.server import sample_clients, server_quantities, server_step
+from fedorth.fed.start import compress_state as _compress_state  # noqa: F401
 from fedorth.fed.state import ServerState, gather_clients
 
 PyTree = Any
@@ -54,13 +54,13 @@ def round_body(
         )
         shared = (server, data, lr, round_key)
         prepass_mean, prepass = {}, {}
-        if algorithm.client_prepass is not None:
+        if algorithm.corrections.prepass is not None:
             # The pass over the sampled clients at the server point, before their local steps:
             # the server averages the results; each client keeps its own unless the algorithm
-            # needs the means only (prepass_per_client).
+            # needs the means only (Prepass.per_client).
             def per_client_prepass(shared, client_id):
                 out = prepass_fn(*shared, client_id)
-                return out, (out if algorithm.prepass_per_client else {})
+                return out, (out if algorithm.corrections.prepass.per_client else {})
 
             prepass_stats, prepass = execution.run_clients(
                 per_client_prepass, shared, ids, config, {}, None

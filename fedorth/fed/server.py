@@ -6,16 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.state import (
     ClientState,
     ServerState,
-    masked_leaves,
     scatter_clients,
     stack_clients,
-    zeros_like_tree,
 )
 from fedorth.optim import federated as fed_optim
 
@@ -45,45 +42,24 @@ def init_server(
     # The round donates the server state: copy so the caller's arrays stay valid.
     params = jax.tree.map(jnp.copy, params)
     model_state = jax.tree.map(jnp.copy, model_state)
-    opt_state = algorithm.local_tx.init(params) if algorithm.aggregate_opt_state else None
-    control = zeros_like_tree(params) if algorithm.control_variates else None
+    opt_state, client_opt = algorithm.start.init_server(algorithm.local_tx, params)
+    corrections = algorithm.corrections.init_server(params)
     clients = None
-    if (
-        algorithm.client_state == "persistent"
-        or algorithm.control_variates
-        or algorithm.persistent_mask is not None
-    ):
-        client_opt = (
-            algorithm.local_tx.init(params) if algorithm.client_state == "persistent" else None
-        )
-        if algorithm.persistent_mask is not None:
-            fresh = algorithm.local_tx.init(params)
-            client_opt = masked_leaves(fresh, persistent_mask(algorithm, fresh))
-        clients = stack_clients(ClientState(opt_state=client_opt, control=control), num_clients)
+    if client_opt is not None or corrections["control"] is not None:
+        client = ClientState(opt_state=client_opt, control=corrections["control"])
+        clients = stack_clients(client, num_clients)
+    quantities = algorithm.quantities
     return ServerState(
         round=jnp.zeros([], jnp.int32),
         params=params,
         model_state=model_state,
         opt_state=opt_state,
-        global_direction=zeros_like_tree(params) if algorithm.uses_global_direction else None,
-        control=control,
-        server_opt_state=algorithm.server_tx.init(params),
+        server_opt_state=algorithm.server.init_server(params),
         clients=clients,
         key=key,
-        extra=algorithm.server_extra_init(params) if algorithm.server_extra_init else {},
+        extra=quantities.init(params) if quantities is not None else {},
+        **corrections,
     )
-
-
-def persistent_mask(algorithm: FedAlgorithm, opt_state: PyTree) -> PyTree:
-    """``algorithm.persistent_mask(opt_state)``, checked disjoint from its ``aggregate_mask``."""
-    mask = algorithm.persistent_mask(opt_state)
-    shared = algorithm.aggregate_mask(opt_state) if algorithm.aggregate_mask else mask
-    if any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(a and b), mask, shared))):
-        raise ValueError(
-            f"{algorithm.name}: persistent_mask and aggregate_mask select the same leaves; a "
-            "leaf is either averaged or kept per client."
-        )
-    return mask
 
 
 def sample_clients(
@@ -98,23 +74,10 @@ def sample_clients(
 
 def server_step(algorithm: FedAlgorithm, server: ServerState, stats, stacked, lr, n, s, k):
     """The server update of parameters and model state from the clients' summary; returns the new
-    state and the aggregated update ``mean_i(x_i^K - x^r)`` (or ``aggregate_delta``'s)."""
+    state and the aggregated update ``Delta`` (``fedorth.fed.update``)."""
     mean = stats["mean"]
-    mean_delta = mean["delta"]
-    if algorithm.aggregate_delta is not None:
-        # E.g. FedPM's preconditioned mixing of the client-stacked updates and reports.
-        mean_delta = algorithm.aggregate_delta(server, stacked["delta"], stacked["report"])
-    if algorithm.server_rule == "mean":
-        scale = 1.0
-    elif algorithm.server_rule == "partial":
-        scale = s / n
-    else:
-        scale = algorithm.server_lr / (k * lr)
-    pseudo_grad = jax.tree.map(lambda d: -scale * d, mean_delta)
-    updates, server_opt_state = algorithm.server_tx.update(
-        pseudo_grad, server.server_opt_state, server.params
-    )
-    params = optax.apply_updates(server.params, updates)
+    mean_delta = algorithm.server.combine_updates(server, mean["delta"], stacked)
+    params, server_opt_state = algorithm.server.step(server, mean_delta, lr, n, s, k)
     new = server.replace(
         round=server.round + 1,
         params=params,
@@ -127,20 +90,12 @@ def server_step(algorithm: FedAlgorithm, server: ServerState, stats, stacked, lr
 def server_quantities(
     algorithm: FedAlgorithm, server, new, mean, mean_delta, stacked, ids, lr, n, s, k
 ) -> ServerState:
-    """The new server quantities: ``extra``, ``g_G``, control variates, the clients' kept state."""
-    if algorithm.client_report is not None:
-        new = new.replace(extra=algorithm.server_extra_update(server, mean["report"], lr))
-    if algorithm.uses_global_direction:
-        # FedMuon (Liu et al.) Alg. 2 line 13 / FedPAC (Liu et al.) Alg. 2 line 14: g_G =
-        # -mean(dx) / (K eta).
-        new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
-    if algorithm.control_variates:
-        # c <- c + (1/N) sum_{i in S} (c_i+ - c_i)  (SCAFFOLD Alg. 1 line 17; FedMuon-LMO line
-        # 17).
-        control = jax.tree.map(
-            lambda c, diff: c + (s / n) * diff, server.control, mean["control_diff"]
-        )
-        new = new.replace(control=control)
+    """The new server quantities: ``extra``, the corrections' (``g_G``, ``c``), and the kept
+    client states of the sampled clients."""
+    if algorithm.quantities is not None:
+        reports = mean.get("report", {})
+        new = new.replace(extra=algorithm.quantities.update(server, reports, lr))
+    new = algorithm.corrections.server_update(server, new, mean, mean_delta, k, lr, n, s)
     if server.clients is not None:
         new = new.replace(clients=scatter_clients(server.clients, ids, stacked["persistent"]))
     return new

@@ -22,7 +22,7 @@ class ClientState:
 
     Attributes:
       opt_state: the client's own local-optimizer state (FedMuon-LMO's ``M_i``), the list of
-        the leaves ``FedAlgorithm.persistent_mask`` keeps (FAFED's previous iterate), or ``None``.
+        the leaves ``start.Global.keep`` selects (FAFED's previous iterate), or ``None``.
       control: the client's control variate ``c_i`` / ``C_i`` (SCAFFOLD, FedMuon-LMO), or ``None``.
     """
 
@@ -47,7 +47,7 @@ class ServerState:
       server_opt_state: state of the server optimizer applied to the pseudo-gradient.
       clients: :class:`ClientState` stacked over all ``N`` clients, or ``None``.
       key: the run's base PRNG key; rounds derive theirs with ``fold_in(key, round)``.
-      extra: algorithm-defined server quantities (``FedAlgorithm.server_extra_init``), passed
+      extra: algorithm-defined server quantities (``ServerQuantities``), passed
         to the clients' local optimizer as extra arguments.
     """
 

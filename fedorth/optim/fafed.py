@@ -45,7 +45,7 @@ fedorth does not have: ``ext = 1``). It differs at round boundaries:
 
 * its STORM correction of the first step after an averaging uses the client's own previous
   iterate (``model_`` is not reset), ``g(x-bar) + (1 - alpha)(u-bar - g(x_i^{K-1}))``. fedorth
-  does the same (the algorithm's ``persistent_mask``): with ``x-bar`` there, that step would be
+  does the same (``start.Global.keep``): with ``x-bar`` there, that step would be
   ``a g(x-bar) + (1 - a) u-bar``, without the correction (with one local step per round, no
   variance reduction at all). tests/test_baseline_sources.py transcribes the
   loop and checks the engine against it;
@@ -223,7 +223,7 @@ def fafed_persistent_mask(opt_state: PyTree) -> PyTree:
 
 
 def fafed_start_prepass(ctx: dict) -> dict:
-    """``FedAlgorithm.client_prepass`` of FAFED's start: on round 0 each sampled client's gradient
+    """``corrections.Prepass`` of FAFED's start: on round 0 each sampled client's gradient
     at ``x_0`` and its square (the server averages them into ``m_0``, ``v_0``); zeros, with no
     gradient computed (``lax.cond`` on the unbatched round counter), on later rounds."""
     params = ctx["params"]

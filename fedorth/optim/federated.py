@@ -153,7 +153,7 @@ def align_mask(state: PyTree) -> PyTree:
     declared a ``Θ`` (AdamW, momentum SGD) is aligned whole: every leaf is True.
 
     The engine uploads and averages the leaves that are both here and in :func:`upload_mask`
-    (``FedAlgorithm.aggregate_mask``): ``Θ`` itself, not ``Q`` nor the integer counters.
+    (``fedorth.fed.start.Global.mask``): ``Θ`` itself, not ``Q`` nor the integer counters.
     """
     if not declares_theta(state):
         return jax.tree.map(lambda _: True, state)

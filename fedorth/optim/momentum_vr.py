@@ -126,10 +126,10 @@ def running_mean() -> optax.GradientTransformationExtraArgs:
 
     .. math:: \bar g_k = \bar g_{k-1} + (g_k - \bar g_{k-1}) / k
 
-    Placed first in a client's chain with ``client_state="reset"``, ``mean`` after the round is
+    Placed first in a client's chain with a ``Reset()`` start, ``mean`` after the round is
     ``(1/K) sum_k grad F(x_i^{r,k}; xi)``, the new control variate ``c_i^{r+1}`` of SCAFFOLD-M
     (Cheng et al. 2024) and PAdaMFed; the engine reads it with
-    ``FedAlgorithm(control_variates="momentum", momentum_fn=...)``.
+    ``Corrections(control=FromState(running_mean_of))`` (``fedorth.fed.corrections``).
 
     Returns:
       A transform with state :class:`RunningMeanState`.
@@ -168,7 +168,7 @@ def round_mean(round_key: str) -> optax.GradientTransformationExtraArgs:
     Like :func:`running_mean`, but the mean restarts whenever the extra argument ``round_key``
     (a round counter the server sends down) differs from the round the state last saw, so that
     it is the mean of *this* round's updates even inside a state the client keeps between
-    rounds (``client_state="persistent"``: a client's momentum persists, its gradient mean must
+    rounds (a ``Persistent()`` start: a client's momentum persists, its gradient mean must
     not). Used by SCAFFOLD with a stateful local optimizer
     (:func:`fedorth.fed.algorithms.scaffold.scaffold`).
 

@@ -21,6 +21,7 @@ import jax
 
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.round import RoundConfig, make_round_fn, sample_clients
+from fedorth.fed.start import Persistent
 from fedorth.fed.state import ClientState, gather_clients, stack_clients
 
 PyTree = Any
@@ -85,33 +86,34 @@ def observe_clients(
     Returns:
       The jitted round function (the server state is donated, as the engine's).
     """
-    if algorithm.persistent_mask is not None:
+    if getattr(algorithm.start, "keep", None) is not None:
         raise ValueError(
             f"observe_clients: {algorithm.name} keeps part of its state per client "
-            "(persistent_mask); its clients' kept leaves are already in server.clients."
+            "(start.Global(keep=...)); its clients' kept leaves are already in server.clients."
         )
-    if algorithm.client_state not in ("reset", "global") or algorithm.control_variates:
+    if algorithm.start.name not in ("reset", "global") or algorithm.corrections.control:
         raise ValueError(
-            f"observe_clients: {algorithm.name} has client_state={algorithm.client_state!r} and "
-            f"control_variates={algorithm.control_variates!r}; only 'reset'/'global' clients "
+            f"observe_clients: {algorithm.name} has start={algorithm.start.name!r} and "
+            f"control variates {algorithm.corrections.control!r}; only 'reset'/'global' clients "
             "without control variates are supported (persistent clients' states are already in "
             "server.clients)."
         )
-    twin = dataclasses.replace(algorithm, client_state="persistent", aggregate_opt_state=True)
+    mask = getattr(algorithm.start, "mask", None)
+    observed = Persistent(
+        averaged=True, mask=mask, compression=getattr(algorithm.start, "compression", None)
+    )
+    twin = dataclasses.replace(algorithm, start=observed)
     twin_round = make_round_fn(twin, loss_fn, batch_fn, config)
     tx = algorithm.local_tx
     n, s = config.num_clients, config.clients_per_round
 
     def round_fn(server, data):
         fresh = tx.init(server.params)
-        if algorithm.client_state == "reset":
+        if algorithm.start.name == "reset":
             start = fresh
-        elif algorithm.aggregate_mask is not None:
+        elif mask is not None:
             start = jax.tree.map(
-                lambda keep, g, f: g if keep else f,
-                algorithm.aggregate_mask(fresh),
-                server.opt_state,
-                fresh,
+                lambda keep, g, f: g if keep else f, mask(fresh), server.opt_state, fresh
             )
         else:
             start = server.opt_state
@@ -123,7 +125,7 @@ def observe_clients(
         new, metrics = twin_round(twin_server, data)
         states_C = gather_clients(new.clients.opt_state, ids)
         new = new.replace(
-            clients=None, opt_state=new.opt_state if algorithm.aggregate_opt_state else None
+            clients=None, opt_state=new.opt_state if algorithm.start.averaged else None
         )
         return new, metrics, states_C
 

@@ -34,8 +34,9 @@ from typing import Any
 
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections, Prepass
 from fedorth.optim.fafed import (
     fafed_aggregate_mask,
     fafed_persistent_mask,
@@ -73,14 +74,11 @@ def fafed(
     return FedAlgorithm(
         name="fafed",
         local_tx=local.local_tx(scale_by_fafed(a, b2, rho=rho), weight_decay=weight_decay),
-        client_state="global",
-        aggregate_opt_state=True,
-        aggregate_mask=fafed_aggregate_mask,
-        persistent_mask=fafed_persistent_mask,
+        start=start.Global(mask=fafed_aggregate_mask, keep=fafed_persistent_mask),
         # The start's one averaging of the clients' first gradients (round 0 only; the per-round
-        # communication count leaves this one-time exchange of m_0, v_0 out).
-        client_prepass=fafed_start_prepass,
-        prepass_per_client=False,  # the means m_0, v_0 only: no [S, ...] stack of zeros later
-        server_tx=optax.sgd(server_lr),
+        # communication count leaves this one-time exchange of m_0, v_0 out). The means m_0,
+        # v_0 only: no [S, ...] stack of zeros in later rounds.
+        corrections=Corrections(prepass=Prepass(fafed_start_prepass, per_client=False)),
+        server=update.ServerUpdate(tx=optax.sgd(server_lr)),
         paper="Wu et al. 2023 (AAAI), FAFED Alg. 1; FedMuon (Zhang & Gao) Sec. 7 baselines",
     )

@@ -45,8 +45,9 @@ from typing import Any
 import jax
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections
 from fedorth.optim.momentum_vr import scale_by_adam_uncorrected
 
 
@@ -115,10 +116,8 @@ def fedlada(
     return FedAlgorithm(
         name="fedlada",
         local_tx=tx,
-        client_state="global",
-        aggregate_opt_state=True,
-        aggregate_mask=adam_second_moment_mask,
-        uses_global_direction=alpha < 1.0,
-        server_tx=optax.sgd(server_lr),
+        start=start.Global(mask=adam_second_moment_mask),
+        corrections=Corrections(global_direction=alpha < 1.0),
+        server=update.ServerUpdate(tx=optax.sgd(server_lr)),
         paper="Sun et al. 2023 (TPAMI), FedLADA Alg. 1; FedMuon (Liu et al.) Tables 2-4",
     )

@@ -48,8 +48,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections, FromState
+from fedorth.fed.quantities import ServerQuantities
 from fedorth.optim import momentum_vr
 
 PAPER = (
@@ -80,19 +82,15 @@ def sgd_weight_decay(optim: Mapping[str, Any], name: str) -> float:
     return weight_decay
 
 
-def prev_params_extra(*, variance_reduction: bool) -> dict[str, Any]:
-    """FedAlgorithm fields keeping the previous global model ``x^{r-1}`` in ``extra``."""
+def prev_params_quantities(*, variance_reduction: bool) -> ServerQuantities | None:
+    """The previous global model ``x^{r-1}`` kept in ``extra`` (None without VR)."""
     if not variance_reduction:
-        return {}
-    return {
+        return None
+    return ServerQuantities(
         # A copy: the round donates the server state, so no two leaves may share a buffer.
-        "server_extra_init": lambda params: {"prev_params": jax.tree.map(jnp.copy, params)},
-        "client_report": lambda ctx: {},
-        "server_extra_update": lambda server, reports, lr: {
-            **server.extra,
-            "prev_params": server.params,
-        },
-    }
+        init=lambda params: {"prev_params": jax.tree.map(jnp.copy, params)},
+        update=lambda server, reports, lr: {**server.extra, "prev_params": server.params},
+    )
 
 
 def check_beta(beta: float) -> None:
@@ -121,14 +119,13 @@ def _momentum_family(
     return FedAlgorithm(
         name=name,
         local_tx=tx,
-        client_state="reset",
-        uses_global_direction=True,
-        control_variates="momentum" if control_variate else None,
-        momentum_fn=running_mean_of if control_variate else None,
-        server_rule="mean" if server_lr is None else "global_step",
-        server_lr=1.0 if server_lr is None else server_lr,
+        corrections=Corrections(
+            global_direction=True,
+            control=FromState(running_mean_of) if control_variate else None,
+        ),
+        server=update.ServerUpdate(rule=update.global_step_or_mean(server_lr)),
+        quantities=prev_params_quantities(variance_reduction=variance_reduction),
         paper=PAPER,
-        **prev_params_extra(variance_reduction=variance_reduction),
     )
 
 

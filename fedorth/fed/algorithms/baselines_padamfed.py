@@ -54,13 +54,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.algorithms.baselines_momentum_vr import (
     check_beta,
     running_mean_of,
     sgd_weight_decay,
 )
+from fedorth.fed.corrections import Corrections, FromState
+from fedorth.fed.quantities import ClientReport, ServerQuantities
 from fedorth.optim import momentum_vr
 
 PAPER = (
@@ -129,15 +131,11 @@ def padamfed(
     return FedAlgorithm(
         name=name,
         local_tx=local.local_tx(direction, weight_decay=weight_decay),
-        client_state="reset",
-        control_variates="momentum",
-        momentum_fn=running_mean_of,
-        server_rule="mean" if server_lr is None else "global_step",
-        server_lr=1.0 if server_lr is None else server_lr,
-        server_extra_init=server_extra_init,
-        client_report=client_report,
-        server_extra_update=server_extra_update,
-        report_floats=0.0,  # c_i^+ - c_i is formed by the server from the uploaded c_i^+
+        corrections=Corrections(control=FromState(running_mean_of)),
+        server=update.ServerUpdate(rule=update.global_step_or_mean(server_lr)),
+        quantities=ServerQuantities(server_extra_init, server_extra_update),
+        # c_i^+ - c_i is formed by the server from the uploaded c_i^+: no floats of its own.
+        report=ClientReport(client_report),
         paper=PAPER,
     )
 

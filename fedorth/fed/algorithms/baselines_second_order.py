@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.quantities import ClientReport
 from fedorth.optim.sophia import SophiaState
 
 CLIENT_STATES = ("persistent", "reset")
@@ -57,6 +58,10 @@ def _check_client_state(client_state: str, name: str) -> None:
             f"{name}: fed.client_state={client_state!r}; valid: {CLIENT_STATES} (devices keep "
             "their Sophia state, or restart it every round)."
         )
+
+
+def _start(client_state: str):
+    return start.Persistent() if client_state == "persistent" else start.Reset()
 
 
 def sophia_hessian_of(opt_state: Any) -> Any:
@@ -87,8 +92,8 @@ def fed_sophia(
     return FedAlgorithm(
         name="fed_sophia",
         local_tx=tx,
-        client_state=client_state,
-        server_tx=optax.sgd(server_lr),
+        start=_start(client_state),
+        server=update.ServerUpdate(tx=optax.sgd(server_lr)),
         paper="Elbakary et al. 2024 (Fed-Sophia), Alg. 1; FedPAC (Liu et al.) Table 12",
     )
 
@@ -122,12 +127,9 @@ def fedpm(
     return FedAlgorithm(
         name="fedpm",
         local_tx=tx,
-        client_state=client_state,
-        server_tx=optax.sgd(server_lr),
-        client_report=client_report,
-        server_extra_update=lambda server, reports, lr: server.extra,
-        report_floats=1.0,  # P_i, one model-sized diagonal per client
-        aggregate_delta=aggregate_delta,
+        start=_start(client_state),
+        report=ClientReport(client_report, floats=1.0),  # P_i, one model-sized diagonal
+        server=update.ServerUpdate(tx=optax.sgd(server_lr), combine=aggregate_delta),
         paper=(
             "Ishii et al. 2025 (FedPM), diagonal preconditioned mixing; "
             "FedPAC (Liu et al.) Table 12"

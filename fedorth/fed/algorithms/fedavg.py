@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.optim.momentum_vr import scale_by_adam_uncorrected
 
@@ -64,9 +65,11 @@ def fedavg(
     return FedAlgorithm(
         name=name,
         local_tx=tx,
-        client_state=client_state,
-        server_tx=optax.sgd(server_lr, momentum=server_momentum or None),
-        server_rule=server_rule,
+        start=start.Persistent() if client_state == "persistent" else start.Reset(),
+        server=update.ServerUpdate(
+            tx=optax.sgd(server_lr, momentum=server_momentum or None),
+            rule=update.rule_named(server_rule),
+        ),
         paper=paper,
     )
 
@@ -94,11 +97,8 @@ def fedadam(
 ) -> FedAlgorithm:
     """FedAdam: Adam on the server's pseudo-gradient (Reddi et al. 2021, Alg. 2, tau = eps),
     without bias correction (:func:`reddi_adam`)."""
-    alg = fedavg(optim, name="fedadam")
-    return FedAlgorithm(
-        **{
-            **alg.__dict__,
-            "server_tx": reddi_adam(server_lr, server_b1, server_b2, server_tau),
-            "paper": "Reddi et al. 2021, Alg. 2 (FedAdam)",
-        }
+    return dataclasses.replace(
+        fedavg(optim, name="fedadam"),
+        server=update.ServerUpdate(tx=reddi_adam(server_lr, server_b1, server_b2, server_tau)),
+        paper="Reddi et al. 2021, Alg. 2 (FedAdam)",
     )

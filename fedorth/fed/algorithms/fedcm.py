@@ -12,8 +12,9 @@ from typing import Any
 
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections
 
 
 def fedcm(optim: Mapping[str, Any], *, alpha: float = 0.1, server_lr: float = 1.0) -> FedAlgorithm:
@@ -29,8 +30,7 @@ def fedcm(optim: Mapping[str, Any], *, alpha: float = 0.1, server_lr: float = 1.
     return FedAlgorithm(
         name="fedcm",
         local_tx=tx,
-        client_state="reset",
-        uses_global_direction=True,
-        server_tx=optax.sgd(server_lr),
+        corrections=Corrections(global_direction=True),
+        server=update.ServerUpdate(tx=optax.sgd(server_lr)),
         paper="Xu et al. 2021, Alg. 1",
     )

@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedorth.fed import local
+from fedorth.fed import local, start
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections
 
 
 def fedmuon(
@@ -52,10 +53,8 @@ def fedmuon(
     return FedAlgorithm(
         name=name,
         local_tx=tx,
-        client_state="global" if momentum_aggregation else "reset",
-        aggregate_opt_state=momentum_aggregation,
-        state_compression=svd_ratio if momentum_aggregation else None,
-        uses_global_direction=alpha > 0,
+        start=start.Global(compression=svd_ratio) if momentum_aggregation else start.Reset(),
+        corrections=Corrections(global_direction=alpha > 0),
         paper="FedMuon (Liu et al.) Alg. 2",
     )
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections, FromState
 from fedorth.optim import federated as fed_optim
 
 
@@ -73,9 +74,9 @@ def fedmuon_bc(
                 else weight_decay
             ),
         ),
-        client_state="persistent",
-        control_variates="momentum",
-        momentum_fn=lambda opt_state: opt_state[0][0].mu,
-        server_rule="partial",
+        start=start.Persistent(),
+        # Line 11: C_i <- M_i^(r,K), the EMA's momentum.
+        corrections=Corrections(control=FromState(lambda opt_state: opt_state[0][0].mu)),
+        server=update.ServerUpdate(rule=update.Partial()),
         paper="FedMuon-LMO Alg. 1",
     )

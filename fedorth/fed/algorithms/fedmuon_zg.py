@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.optim import federated as fed_optim
 
@@ -150,8 +150,7 @@ def fedmuon_zg(optim: Mapping[str, Any], *, beta: float = 0.1) -> FedAlgorithm:
     return FedAlgorithm(
         name="fedmuon_zg",
         local_tx=zg_muon_step(beta, direction, weight_decay=weight_decay),
-        client_state="global",
-        aggregate_opt_state=True,
+        start=start.Global(),
         full_participation_only=True,
         paper=PAPER,
     )

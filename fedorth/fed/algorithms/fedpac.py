@@ -50,8 +50,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections
 from fedorth.optim import federated
 
 LIGHT_RATIOS = {"soap": 0.1, "muon": 0.05, "sophia": 0.05}
@@ -100,12 +101,12 @@ def fedpac(
     return FedAlgorithm(
         name=name,
         local_tx=tx,
-        client_state="global" if align else "reset",
-        aggregate_opt_state=align,
-        state_compression=light_ratio if align else None,
-        aggregate_mask=federated.align_mask if align and aligned == "theta" else None,
-        uses_global_direction=beta > 0,
-        server_rule="mean" if server_lr is None else "global_step",
-        server_lr=1.0 if server_lr is None else server_lr,
+        start=start.Global(
+            mask=federated.align_mask if aligned == "theta" else None, compression=light_ratio
+        )
+        if align
+        else start.Reset(),
+        corrections=Corrections(global_direction=beta > 0),
+        server=update.ServerUpdate(rule=update.global_step_or_mean(server_lr)),
         paper="FedPAC (Liu et al.) Alg. 2/3",
     )

@@ -63,7 +63,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedorth.fed import update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.corrections import Corrections, FromState
+from fedorth.fed.quantities import ClientReport, ServerQuantities
 from fedorth.optim import federated as fed_optim
 
 PyTree = Any
@@ -502,7 +505,7 @@ def fed_nsgda_family(
         ascend_dual(label_fn, dual_lr_ratio),
         fed_optim.scale_by_round_learning_rate(),
     )
-    init, report, update = _global_momentum_pieces(
+    init, report, update_momentum = _global_momentum_pieces(
         label_fn, _check_unit("beta_x", beta_x), _check_unit("beta_y", beta_y)
     )
     if server_lr is None:
@@ -517,19 +520,17 @@ def fed_nsgda_family(
     return FedAlgorithm(
         name=name,
         local_tx=tx,
-        client_state="reset",
-        control_variates="momentum",
-        momentum_fn=lambda opt_state: gradient_mean(opt_state[0]),
-        server_tx=minimax_server_tx(label_fn, gx, gy, ratio_for_server),
-        server_rule=server_rule,
-        server_lr=1.0,
+        corrections=Corrections(control=FromState(lambda opt_state: gradient_mean(opt_state[0]))),
+        # gamma_x, gamma_y are the server optimizer's; GlobalStep(1.0) divides by K eta_r.
+        server=update.ServerUpdate(
+            tx=minimax_server_tx(label_fn, gx, gy, ratio_for_server),
+            rule=update.GlobalStep(1.0) if server_rule == "global_step" else update.Mean(),
+        ),
         paper=f"{FED_MINIMAX} "
         + {"normalize": "Alg. 1", "muon": "Alg. 2/3", "clip": "Eq. 21"}[step],
-        server_extra_init=init,
-        client_report=report,
-        server_extra_update=update,
+        quantities=ServerQuantities(init, update_momentum),
         # g^(n) is reported once: it is the uploaded control variate (counted by the engine).
-        report_floats=0.0,
+        report=ClientReport(report),
     )
 
 

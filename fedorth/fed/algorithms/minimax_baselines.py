@@ -61,6 +61,7 @@ and which choices are ours.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -68,8 +69,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedorth.fed import start, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.algorithms import minimax as mm
+from fedorth.fed.corrections import Corrections, Prepass
+from fedorth.fed.quantities import ClientReport, ServerQuantities
 from fedorth.optim import federated as fed_optim
 
 PyTree = Any
@@ -77,9 +81,9 @@ PyTree = Any
 _SGD_ONLY = {"sgd": ()}
 
 
-def _server(label_fn, server_lr: float, dual_server_lr: float | None):
+def _server(label_fn, server_lr: float, dual_server_lr: float | None) -> update.ServerUpdate:
     dual = server_lr if dual_server_lr is None else dual_server_lr
-    return mm.minimax_server_tx(label_fn, server_lr, dual, 1.0)
+    return update.ServerUpdate(tx=mm.minimax_server_tx(label_fn, server_lr, dual, 1.0))
 
 
 def _local_tx(label_fn, dual_lr_ratio: float, *parts) -> optax.GradientTransformationExtraArgs:
@@ -113,8 +117,7 @@ def local_sgda(
     return FedAlgorithm(
         name="local_sgda",
         local_tx=_local_tx(label_fn, dual_lr_ratio),
-        client_state="reset",
-        server_tx=_server(label_fn, server_lr, dual_server_lr),
+        server=_server(label_fn, server_lr, dual_server_lr),
         paper="Deng & Mahdavi 2021 (Local SGDA)",
     )
 
@@ -188,9 +191,8 @@ def local_sgdam(
     return FedAlgorithm(
         name="local_sgdam",
         local_tx=_local_tx(label_fn, dual_lr_ratio, variable_momentum(label_fn, beta_x, beta_y)),
-        client_state="global",
-        aggregate_opt_state=True,
-        server_tx=_server(label_fn, server_lr, dual_server_lr),
+        start=start.Global(),
+        server=_server(label_fn, server_lr, dual_server_lr),
         paper="Sharma et al. 2022 (Momentum Local SGDA)",
     )
 
@@ -297,10 +299,8 @@ def fedsgda_m(
     return FedAlgorithm(
         name="fedsgda_m",
         local_tx=_local_tx(label_fn, dual_lr_ratio, storm_estimator(label_fn, alpha_x, alpha_y)),
-        client_state="global",
-        aggregate_opt_state=True,
-        aggregate_mask=storm_aggregate_mask,
-        server_tx=_server(label_fn, server_lr, dual_server_lr),
+        start=start.Global(mask=storm_aggregate_mask),
+        server=_server(label_fn, server_lr, dual_server_lr),
         paper="Wu et al. 2023 (FedSGDA-M)",
     )
 
@@ -374,11 +374,10 @@ def f_sagda(
     return FedAlgorithm(
         name="f_sagda",
         local_tx=_local_tx(label_fn, dual_lr_ratio, sampled_control_variate()),
-        client_state="reset",
-        server_tx=_server(label_fn, server_lr, dual_server_lr),
+        server=_server(label_fn, server_lr, dual_server_lr),
         paper="Yang et al. 2022a (SAGDA)",
-        client_prepass=_sampled_gradient,
-        prepass_floats=1.0,  # q_i up, v down: one pytree like the params each way
+        # q_i up, v down: one pytree like the params each way.
+        corrections=Corrections(prepass=Prepass(_sampled_gradient, floats=1.0)),
     )
 
 
@@ -488,7 +487,7 @@ def fess_gda(
         mean = jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas_c)
         return smoothed(server, mean, jnp.mean(reports_c["smooth_scale"]))
 
-    def update(server, reports, learning_rate):
+    def update_anchor(server, reports, learning_rate):
         del learning_rate
         delta = smoothed(server, reports["delta"], reports.get("smooth_scale", 0.0))
         # The server's primal step x+ = x + gamma_x mean(dx) (the "mean" rule with sgd(gamma_x)).
@@ -509,12 +508,10 @@ def fess_gda(
     return FedAlgorithm(
         name="fess_gda",
         local_tx=local_tx,
-        client_state="reset",
-        server_tx=_server(label_fn, gx, dual_server_lr),
+        server=dataclasses.replace(
+            _server(label_fn, gx, dual_server_lr), combine=aggregate if on_server else None
+        ),
         paper="Shen et al. 2024 (FESS-GDA)",
-        server_extra_init=init,
-        client_report=report,
-        server_extra_update=update,
-        aggregate_delta=aggregate if on_server else None,
-        report_floats=0.0,  # the report is the update dx the engine already counts
+        quantities=ServerQuantities(init, update_anchor),
+        report=ClientReport(report),  # the update dx, which the engine already counts
     )

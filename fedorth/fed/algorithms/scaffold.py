@@ -28,15 +28,19 @@ FedMuon-LMO's presets also take its Alg. 3/4 server step ``X <- (n-S)/n X + 1/n 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
-from fedorth.fed import local
+from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.algorithms.baselines_momentum_vr import running_mean_of
+from fedorth.fed.corrections import ControlVariate, Corrections, FromState
+from fedorth.fed.quantities import ServerQuantities
 from fedorth.optim import federated as fed_optim
 from fedorth.optim import momentum_vr
 
@@ -44,16 +48,22 @@ ROUND_KEY = "scaffold_round"
 CONTROLS = ("auto", "option_ii", "gradient_mean")
 
 
-def _round_counter() -> dict[str, Any]:
-    """FedAlgorithm fields keeping a round counter in ``ServerState.extra`` (sent to clients)."""
-    return {
-        "server_extra_init": lambda params: {ROUND_KEY: jnp.zeros([], jnp.int32)},
-        "client_report": lambda ctx: {},
-        "server_extra_update": lambda server, reports, lr: {
-            **server.extra,
-            ROUND_KEY: server.extra[ROUND_KEY] + 1,
-        },
-    }
+@dataclasses.dataclass(frozen=True)
+class OptionII(ControlVariate):
+    """``c_i+ = c_i - c + (x - y_i) / (K eta)``: option II of Karimireddy et al. (2020),
+    Eq. (4), with ``x - y_i = -delta``."""
+
+    def update(self, control_i, control, delta, opt_state, k, lr):
+        del opt_state
+        return jax.tree.map(lambda ci, c, d: ci - c - d / (k * lr), control_i, control, delta)
+
+
+def _round_counter() -> ServerQuantities:
+    """A round counter in ``ServerState.extra`` (sent to clients)."""
+    return ServerQuantities(
+        init=lambda params: {ROUND_KEY: jnp.zeros([], jnp.int32)},
+        update=lambda server, reports, lr: {**server.extra, ROUND_KEY: server.extra[ROUND_KEY] + 1},
+    )
 
 
 def scaffold(
@@ -85,23 +95,19 @@ def scaffold(
         control = "option_ii" if stateless else "gradient_mean"
     if control == "option_ii":
         pre = (fed_optim.add_control_variate(),)
-        fields: dict[str, Any] = {"control_variates": "scaffold"}
+        control, quantities = OptionII(), None
     else:
         pre = (momentum_vr.round_mean(ROUND_KEY), fed_optim.add_control_variate())
-        fields = {
-            "control_variates": "momentum",
-            "momentum_fn": running_mean_of,
-            **_round_counter(),
-        }
+        control, quantities = FromState(running_mean_of), _round_counter()
     tx = local.local_tx(
         local.direction(opt, **hp), weight_decay=local.decay_rates(opt, weight_decay, hp), pre=pre
     )
     return FedAlgorithm(
         name="scaffold",
         local_tx=tx,
-        client_state=client_state,
-        server_tx=optax.sgd(server_lr),
-        server_rule=server_rule,
+        start=start.Persistent() if client_state == "persistent" else start.Reset(),
+        corrections=Corrections(control=control),
+        quantities=quantities,
+        server=update.ServerUpdate(tx=optax.sgd(server_lr), rule=update.rule_named(server_rule)),
         paper="Karimireddy et al. 2020, Alg. 1 (option II)",
-        **fields,
     )
