@@ -10,7 +10,7 @@ from ml_collections import config_dict
 
 def get_base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
-    config.seed = 42  # the seeds report seeds 42-46 (FedMuon (Liu et al.) Sec. 7)
+    config.seed = 42  # the papers report seeds 42-46 (FedMuon (Liu et al.) Sec. 7)
 
     config.data = ml_collections.ConfigDict()
     config.data.name = "digits"  # embedded 8x8 digits: no download (fedorth.data.DATASETS)

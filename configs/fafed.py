@@ -5,8 +5,7 @@ adaptive matrix ``sqrt(v-bar) + rho`` frozen during a round; ``x``, ``u``, ``v``
     python -m experiments.main --config=configs/fafed.py:fedmuon_zg_cifar10_resnet18_tau4 --workdir=...
 
 Default preset: embedded digits, final test accuracy 0.96 (seed 42, 60 rounds; measured on 2 CPU
-cores after issue 23 gave FAFED its source's start and per-client previous iterates, 0.82 just
-before).
+cores, with FAFED's start and per-client previous iterates as in its released code).
 
 Presets: (default) embedded digits on 2 CPU cores; FedMuon (Zhang & Gao)'s settings
 (``fedmuon_zg_*``: configs/presets.py; hyperparameter notes in configs/fedavg_m.py).

@@ -6,7 +6,7 @@ with momentum, ``v <- mu v + Delta``, ``x <- x + gamma v``.
 
 Default preset: embedded digits, final test accuracy 0.97 (seed 42).
 
-FedAvgM is not one of the seeds' baselines: its presets run FedPAC (Liu et al.)'s settings (Tables 1/3) with
+FedAvgM is not one of the papers' baselines: its presets run FedPAC (Liu et al.)'s settings (Tables 1/3) with
 FedAvg's local hyperparameters (Table 8/10 SGD row: lr 0.1, weight decay 0.001) and server
 momentum 0.9, server lr 1 (Hsu et al.'s usual choice): ``cifar100_resnet18``, ``cifar100_vit``,
 ``tiny_imagenet_resnet18``, ``tiny_imagenet_vit`` (Dir-0.1; ``*_dir0.05``), ``c4_llama{60m,130m,350m}``.

@@ -1,4 +1,4 @@
-r"""The seed papers' experimental settings, shared by the algorithm configs' presets.
+r"""The papers' experimental settings, shared by the algorithm configs' presets.
 
 A *setting* fixes the data, model and federation (clients, participation, batch, K, rounds,
 schedule); a config adds its algorithm's hyperparameters. Each config file builds its presets

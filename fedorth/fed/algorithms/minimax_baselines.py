@@ -327,7 +327,7 @@ def sampled_control_variate(name: str = SAMPLED_GRADIENT) -> optax.GradientTrans
         if own is None or mean is None:
             raise ValueError(
                 f"sampled_control_variate needs the extra arguments `{name}` and `{name}_mean` "
-                "(FedAlgorithm.client_prepass)."
+                "(fedorth.fed.corrections.Prepass)."
             )
         out = jax.tree.map(
             lambda g, q, v: (g - q.astype(g.dtype) + v.astype(g.dtype)).astype(g.dtype),
