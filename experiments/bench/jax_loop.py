@@ -27,21 +27,20 @@ import optax
 from experiments.bench.measure import compile_counter
 from experiments.bench.workloads import Case, build_model
 from fedorth import fed
-from fedorth.fed.round import sample_clients
+from fedorth.fed.server import sample_clients
 from fedorth.models import layers
 from fedorth.optim import federated as fed_optim
 
 
 def unsupported(algorithm: fed.FedAlgorithm) -> str | None:
     """Why the loop cannot run `algorithm` (a design-axis value it does not implement), or None."""
-    start = algorithm.start
+    start, corrections = algorithm.start, algorithm.corrections
     checks = {
         "clients that keep their own state": start.name == "persistent",
-        "per-client kept leaves (start.Global(keep=...))": getattr(start, "keep", None) is not None,
-        "control variates": algorithm.corrections.control is not None,
+        "per-client kept leaves": getattr(start, "keep", None) is not None,
+        "control variates": corrections.control is not None,
         "client reports": algorithm.report is not None,
-        "server quantities": algorithm.quantities is not None,
-        "a client pre-pass": algorithm.corrections.prepass is not None,
+        "a client pre-pass": corrections.prepass is not None,
         "a custom delta aggregation": algorithm.server.combine is not None,
         "low-rank state compression": getattr(start, "compression", None) is not None,
     }
@@ -49,21 +48,15 @@ def unsupported(algorithm: fed.FedAlgorithm) -> str | None:
     return f"jax_loop does not implement {', '.join(missing)}" if missing else None
 
 
-def client_start(algorithm: fed.FedAlgorithm, server: fed.ServerState):
-    """The local optimizer's state at the start of a client's round: the client-start spec's
-    (``fedorth.fed.start``; ``Reset``: ``init``, ``Global``: the averaged state on its mask)."""
-    return algorithm.start.client_start(algorithm.local_tx, server, None)
-
-
 def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, results_C, lr):
     """The next server state from the sampled clients' final ``(params, model_state,
-    opt_state)``, client-stacked: the mean update through the server-update spec
-    (``fedorth.fed.update``: its rule and optimizer); the averaged model and optimizer states;
-    ``g_G = -mean(dx) / (K lr)``."""
+    opt_state)``, client-stacked, through the algorithm's axes: the mean update through its
+    server update (``algorithm.server``), the averaged model state, the averaged optimizer
+    state where clients warm-start from it (``algorithm.start``), its server quantities and the
+    corrections' ``g_G`` (``algorithm.corrections``)."""
     params_C, model_state_C, opt_state_C = results_C
-    k = config.local_steps
+    n, s, k = config.num_clients, config.clients_per_round, config.local_steps
     mean_delta = jax.tree.map(lambda p, p0: jnp.mean(p, 0) - p0, params_C, server.params)
-    n, s = config.num_clients, config.clients_per_round
     params, server_opt_state = algorithm.server.step(server, mean_delta, lr, n, s, k)
     new = server.replace(
         round=server.round + 1,
@@ -73,9 +66,9 @@ def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, 
     )
     if algorithm.start.averaged:
         new = new.replace(opt_state=fed_optim.average_states(opt_state_C))
-    if algorithm.corrections.global_direction:
-        new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
-    return new
+    if algorithm.quantities is not None:
+        new = new.replace(extra=algorithm.quantities.update(server, {}, lr))
+    return algorithm.corrections.server_update(server, new, {}, mean_delta, k, lr, n, s)
 
 
 class JaxLoopRound:
@@ -123,7 +116,9 @@ class JaxLoopRound:
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *results)
             return server_update(algorithm, config, server, stacked, config.lr(server.round))
 
-        self.start = jax.jit(lambda server: client_start(algorithm, server))
+        # The start axis: a client's state at round start, and what it uploads at the end.
+        self.start = jax.jit(lambda server: algorithm.start.client_start(tx, server, None))
+        self.end = jax.jit(lambda opt_state: algorithm.start.client_end(opt_state)[0])
         self.extras = jax.jit(extras)
         self.local_step = jax.jit(local_step)
         self.finish = jax.jit(finish)
@@ -140,7 +135,8 @@ class JaxLoopRound:
             carry = (server.params, server.model_state, opt_state)
             for step in range(config.local_steps):
                 carry = self.local_step(*carry, extras, data, client, client_key, step)
-            results.append(carry)
+            params, model_state, opt_state_k = carry
+            results.append((params, model_state, self.end(opt_state_k)))
         return self.finish(server, results)
 
 

@@ -22,8 +22,8 @@ from experiments.bench.flops import model_step_flops, muon_flops
 from experiments.bench.measure import compile_counter, cpu_threads, peak_memory
 from experiments.bench.workloads import FEDPAC_BETA, Case, build_model
 from fedorth import fed
+from fedorth.fed.execution import client_conv_trace_mode
 from fedorth.fed.metrics import tree_bytes
-from fedorth.fed.round import client_conv_trace_mode
 from fedorth.models.layers import resolve_conv_impl
 
 # The PyTorch peer's module in this checkout (benchmarks/ is not a package).
