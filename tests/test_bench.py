@@ -401,10 +401,10 @@ def _peer_problem():
 
 @pytest.mark.parametrize("case", sorted(_PEER_CASES))
 def test_jax_loop_peer_agrees_with_the_engine_for_three_rounds(case):
-    """The jax_loop peer runs the engine's algorithm (its server state, keys, warm starts and
-    server step): 3 rounds equal the engine's sequential round to float32 rounding on every
-    float leaf of the server state, for every algorithm the bench runs (FedPAC's warm start
-    keeps Theta only: aggregate_mask) and each other path of the peer."""
+    """The jax_loop peer runs the engine's algorithm through its axis specs (server state, keys,
+    client start, corrections, server step): 3 rounds equal the engine's sequential round to
+    float32 rounding on every float leaf of the server state, for every algorithm the bench runs
+    (FedPAC warm-starts Theta only) and each other path of the peer."""
     name, optim, options = _PEER_CASES[case]
     algorithm = fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
     data, params, model_state, loss_fn, batch_fn = _peer_problem()
