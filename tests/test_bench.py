@@ -370,12 +370,14 @@ def test_bench_package_has_no_import_cycle_and_no_lazy_imports():
 
 # The bench's algorithms with the local optimizers it runs them with (workloads.ALGORITHMS),
 # then one case for each other path of the peer: a warm start from the whole averaged state
-# (FedMuon), a server optimizer (FedAdam), the global server step x <- x - gamma g_G.
+# (FedMuon), a server optimizer (FedAdam), the global server step x <- x - gamma g_G, server
+# quantities updated without reports (FedAvg-VR's).
 _PEER_CASES = {name: (name, optim, {}) for name, optim in workloads.ALGORITHMS.items()}
 _PEER_CASES |= {
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedadam": ("fedadam", {"name": "sgd"}, {}),
     "fedpac_muon[server_lr]": ("fedpac_muon", {"name": "muon"}, {"server_lr": 0.5}),
+    "fedavg_vr": ("fedavg_vr", {"name": "sgd"}, {}),
 }
 
 
