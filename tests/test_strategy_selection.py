@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedorth import fed, train
+from fedorth import fed, models, train
 from fedorth.fed import autotune, execution, memory
 from fedorth.train import loop
 
@@ -110,6 +110,66 @@ def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
         np.testing.assert_array_equal(a, b)
     assert measured_history == fixed_history
     assert round_fn._cache_size() == 1, "the measured candidate's compilation is reused"
+
+
+def _conv_setup(conv_impl, strategy, timer=None):
+    """FedAvg on a one-convolution CNN with random 8x8 images: 4 clients, all in each round."""
+    model = models.get_model(
+        "cnn", num_classes=3, features=(4,), dense_sizes=(8,), conv_impl=conv_impl
+    )
+    rng = np.random.default_rng(0)
+    data = {
+        "x": jnp.asarray(rng.normal(size=(4, 6, 8, 8, 1)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 3, size=(4, 6)), jnp.int32),
+    }
+
+    def batch_fn(data, client_id, key):
+        rows = jax.random.choice(key, 6, (4,), replace=False)
+        return {"x": data["x"][client_id][rows], "y": data["y"][client_id][rows]}
+
+    params, model_state = model.init(jax.random.key(0), data["x"][0, :1])
+    alg = fed.get_algorithm("fedavg", {"name": "sgd"})
+    config = fed.RoundConfig(
+        num_clients=4, clients_per_round=4, local_steps=2, learning_rate=0.05, strategy=strategy
+    )
+    server = fed.init_server(alg, params, model_state, num_clients=4, key=jax.random.key(1))
+    kwargs = {"timer": timer} if timer else {}
+    return fed.make_round_fn(alg, model.loss_fn, batch_fn, config, **kwargs), server, data
+
+
+def test_auto_also_chooses_the_convolution_of_a_convolutional_model(one_gpu, tmp_path):
+    """A model with conv_impl="auto": the pairs that won on an H100 (vmap with im2col, sequential
+    with XLA's convolution) are timed; the faster pair's round is the run's, bit for bit a round
+    with that strategy and that convolution fixed, and run_info.json records the pairs."""
+    order = ("vmap+matmul", "sequential+lax")
+    round_s = {"vmap+matmul": 0.2, "sequential+lax": 0.1}
+    clock = fake_clock({"vmap+matmul": 2.0, "sequential+lax": 1.0}, round_s, order)
+    round_fn, server, data = _conv_setup("auto", "auto", clock)
+    assert autotune.candidates(round_fn.config, True) == {
+        "vmap+matmul": ("vmap", "matmul"),
+        "sequential+lax": ("sequential", "lax"),
+    }
+    assert tuple(autotune.candidates(round_fn.config, False)) == ("vmap", "sequential")
+    selection = round_fn.select(server, data)
+    assert selection["candidate"] == "sequential+lax", selection
+    assert (selection["strategy"], selection["conv_impl"]) == ("sequential", "lax")
+    assert round_fn.strategy == "sequential" and round_fn.conv_impl == "lax"
+    assert tuple(selection["candidates"]) == order
+    assert fed.describe_selection(selection).endswith("-> sequential+lax")
+    loop._write_run_info(tmp_path, round_fn)
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["strategy"] == "sequential" and info["strategy_selection"] == selection
+
+    measured, _ = _run(round_fn, server, data, rounds=2)
+    fixed_fn, fixed_server, _ = _conv_setup("lax", "sequential")
+    fixed, _ = _run(fixed_fn, fixed_server, data, rounds=2)
+    for a, b in zip(jax.tree.leaves(measured.params), jax.tree.leaves(fixed.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A model whose convolution is given keeps it: the strategies alone are timed.
+    given, _, _ = _conv_setup("matmul", "auto", clock)
+    assert isinstance(given, fed.MeasuredRoundFn)
+    assert set(given._candidates) == {"vmap", "sequential"}
+    assert given._candidates["vmap"].conv_impl is None
 
 
 def test_ties_go_to_vmap_and_a_failing_candidate_is_skipped(one_gpu):

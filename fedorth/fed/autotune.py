@@ -1,10 +1,25 @@
-"""``fed.strategy="auto"`` on one accelerator: the faster strategy, measured on the first round.
+"""``fed.strategy="auto"`` on one accelerator: the fastest round, measured on the first round.
 
-On one accelerator no rule picks the faster strategy for every model (H100, S = 10 x K = 10
-FedAvg: a vmapped ResNet-18 round ran at 0.38x a sequential one, per-client weights making
-grouped convolutions; a vmapped ViT-Tiny round at 1.9x). So ``make_round_fn`` builds one
-round per candidate (:func:`candidate_strategies`) and :class:`MeasuredRoundFn` compiles and
-times each on the first round's inputs (:func:`measure_strategies`), then runs the fastest.
+On one accelerator no rule picks the faster strategy for every model, and for a convolutional
+model the choice is a pair (strategy, convolution). On an H100 (S = 10 x K = 10 FedAvg,
+client-steps/s, ``python -m experiments.bench round --workloads resnet18_full,cnn --strategies
+vmap,sequential --conv-impls matmul,lax --peers none``):
+
+=============  ============  =========  ===============  ===============
+workload       vmap+matmul   vmap+lax   sequential+lax   sequential+matmul
+=============  ============  =========  ===============  ===============
+resnet18_full  333.6         122.5      333.1            269.5
+cnn            4840.9        3110.3     3605.9           3074.8
+=============  ============  =========  ===============  ===============
+
+Vmapped clients turn XLA's convolutions into grouped ones, which im2col + dot (``"matmul"``)
+avoids; one client at a time, XLA's convolution is the faster. So a convolutional model whose
+``conv_impl`` is ``"auto"`` is timed as the two pairs that can win (:func:`candidates`: vmap with
+im2col, sequential with XLA's convolution; chunked with im2col too when ``chunk_size`` is set),
+other models as strategies alone (a vmapped ViT-Tiny round ran at 1.9x a sequential one).
+``make_round_fn`` builds one round per candidate and :class:`MeasuredRoundFn` compiles and times
+each on the first round's inputs (:func:`measure_strategies`), then runs the fastest; the
+choice, the pairs and their times go to ``run_info.json`` (``strategy_selection``).
 """
 
 from __future__ import annotations
@@ -47,6 +62,32 @@ def candidate_strategies(config: RoundConfig) -> tuple[str, ...]:
     chunk = config.chunk_size or 0
     chunked = ("chunked",) if 1 < chunk < config.clients_per_round else ()
     return ("vmap", *chunked, "sequential")
+
+
+# The convolution each strategy is timed with when the model's conv_impl is "auto" (the pairs
+# that won in the module docstring's table: the two others never did).
+CONV_IMPL_OF = {"vmap": "matmul", "chunked": "matmul", "sequential": "lax"}
+
+
+def conv_impl_choice(loss_fn: Callable) -> bool:
+    """Whether ``loss_fn`` is a bound ``Model.loss_fn`` of a convolutional model whose
+    ``conv_impl`` is ``"auto"``: then the measurement also chooses the convolution."""
+    model = getattr(loss_fn, "__self__", None)
+    module = getattr(model, "module", None)
+    return bool(getattr(model, "convolutional", False)) and getattr(module, "conv_impl", "") == (
+        "auto"
+    )
+
+
+def candidates(config: RoundConfig, choose_conv_impl: bool) -> dict[str, tuple[str, str | None]]:
+    """``{label: (strategy, conv_impl)}`` that ``"auto"`` times, the fallback first: strategies
+    alone (``conv_impl`` None: the model's), or the (strategy, convolution) pairs."""
+    if not choose_conv_impl:
+        return {name: (name, None) for name in candidate_strategies(config)}
+    return {
+        f"{name}+{CONV_IMPL_OF[name]}": (name, CONV_IMPL_OF[name])
+        for name in candidate_strategies(config)
+    }
 
 
 def measure_strategies(
@@ -122,7 +163,7 @@ def describe_selection(selection: dict[str, Any]) -> str:
         "fed.strategy='auto': one round of each candidate on "
         f"{selection.get('backend', execution._backend())}: "
         + ", ".join(parts)
-        + f" -> {selection['strategy']}"
+        + f" -> {selection.get('candidate', selection['strategy'])}"
     )
 
 
@@ -142,7 +183,8 @@ class MeasuredRoundFn:
       strategy, config, devices: the chosen round's (``"auto"`` and the given config before the
         choice).
       selection: None before the choice; then ``{"strategy", "rule": "measured", "backend",
-        "candidates": {name: {"compile_s", "round_s"} or {"error"}}}``.
+        "candidates": {label: {"compile_s", "round_s"} or {"error"}}}``, with ``"candidate"``
+        (the chosen label) and ``"conv_impl"`` when (strategy, convolution) pairs were timed.
     """
 
     def __init__(
@@ -175,9 +217,16 @@ class MeasuredRoundFn:
         """Measures the candidates once (``server`` is not consumed) and returns the choice."""
         if self.selection is None:
             selection = measure_strategies(self._candidates, server, data, timer=self._timer)
+            label = selection["strategy"]
+            self._chosen = self._candidates[label]
+            self._candidates = {label: self._chosen}
             self.selection = {**selection, "backend": execution._backend()}
-            self._chosen = self._candidates[selection["strategy"]]
-            self._candidates = {selection["strategy"]: self._chosen}
+            if self._chosen.conv_impl is not None:
+                self.selection.update(
+                    candidate=label,
+                    strategy=self._chosen.strategy,
+                    conv_impl=self._chosen.conv_impl,
+                )
             _logger.info(describe_selection(self.selection))
         return self.selection
 

@@ -12,8 +12,19 @@ from fedorth.fed.config import RoundConfig
 from fedorth.fed.execution import client_mesh
 from fedorth.fed.memory import RoundOutOfMemoryError, is_out_of_memory, out_of_memory_message
 from fedorth.fed.state import ServerState
+from fedorth.models import layers
 
 PyTree = Any
+
+
+def _with_conv_impl(round_fn: Callable, conv_impl: str) -> Callable:
+    """``round_fn`` whose models, traced inside it, take ``conv_impl`` for ``"auto"``."""
+
+    def traced(server, data):
+        with layers.auto_conv_impl(conv_impl):
+            return round_fn(server, data)
+
+    return traced
 
 
 class RoundFn:
@@ -24,7 +35,10 @@ class RoundFn:
       config: the round's settings, with ``strategy`` resolved (never ``"auto"``).
       strategy: ``config.strategy``.
       devices: the devices a round runs on (the mesh's when sharded, else the default device).
-      selection: None (the strategy was not measured; :class:`MeasuredRoundFn` has one).
+      conv_impl: what the models' ``conv_impl="auto"`` stands for in this round (None: the
+        backend's default, ``fedorth.models.layers.resolve_conv_impl``); set by
+        ``fedorth.fed.autotune`` for the (strategy, convolution) pairs it times.
+      selection: None (the strategy was not measured; ``MeasuredRoundFn`` has one).
 
     A round that runs out of device memory raises :class:`RoundOutOfMemoryError`, whose message
     names the memory XLA asked for and the settings that shrink a round, not XLA's dump.
@@ -48,10 +62,13 @@ class RoundFn:
 
     selection = None
 
-    def __init__(self, round_fn: Callable, config: RoundConfig):
+    def __init__(self, round_fn: Callable, config: RoundConfig, conv_impl: str | None = None):
         self.config = config
         self.strategy = config.strategy
+        self.conv_impl = conv_impl
         self._sharding = None
+        if conv_impl is not None:
+            round_fn = _with_conv_impl(round_fn, conv_impl)
         if self.strategy != "sharded":
             self.devices = (jax.devices()[0],)
             self._jitted = jax.jit(round_fn, donate_argnums=(0,))

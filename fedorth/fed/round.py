@@ -104,7 +104,8 @@ def make_round_fn(
       batch_fn: ``batch_fn(data, client_id, key) -> batch`` draws a local mini-batch on device.
       config: the round's static settings; ``"auto"`` is resolved here
         (``fed.execution.resolve_strategy``), or on one accelerator by timing the candidates on
-        the first round (``fed.autotune.MeasuredRoundFn``).
+        the first round (``fed.autotune.MeasuredRoundFn``; with the convolution, for a
+        convolutional model whose ``conv_impl`` is ``"auto"``).
       timer: the clock of that measurement (tests pass a fake).
 
     Returns:
@@ -113,13 +114,14 @@ def make_round_fn(
       puts it once where the round reads it); the server state is donated.
     """
     convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
-    if autotune.measures(config, convolutional):
-        candidates = {
-            name: make_round_fn(
-                algorithm, loss_fn, batch_fn, dataclasses.replace(config, strategy=name)
-            )
-            for name in autotune.candidate_strategies(config)
-        }
-        return MeasuredRoundFn(candidates, config, timer=timer)
-    config = execution.fixed_strategy(algorithm, loss_fn, config)
-    return RoundFn(round_body(algorithm, loss_fn, batch_fn, config), config)
+    if not autotune.measures(config, convolutional):
+        config = execution.fixed_strategy(algorithm, loss_fn, config)
+        return RoundFn(round_body(algorithm, loss_fn, batch_fn, config), config)
+    candidates = {}
+    pairs = autotune.candidates(config, autotune.conv_impl_choice(loss_fn))
+    for label, (strategy, conv_impl) in pairs.items():
+        fixed = dataclasses.replace(config, strategy=strategy)
+        fixed = execution.fixed_strategy(algorithm, loss_fn, fixed)
+        body = round_body(algorithm, loss_fn, batch_fn, fixed)
+        candidates[label] = RoundFn(body, fixed, conv_impl=conv_impl)
+    return MeasuredRoundFn(candidates, config, timer=timer)

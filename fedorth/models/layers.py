@@ -135,6 +135,29 @@ def conv_trace_mode(mode: str | None):
         _CONV_TRACE_MODE.reset(token)
 
 
+# What `impl="auto"` stands for while a model is traced inside `auto_conv_impl` (None: the rule
+# of `resolve_conv_impl`).
+_AUTO_CONV_IMPL: contextvars.ContextVar = contextvars.ContextVar(
+    "fedorth_auto_conv_impl", default=None
+)
+
+
+@contextlib.contextmanager
+def auto_conv_impl(impl: str | None):
+    """While a model is traced inside it, `impl="auto"` stands for `impl` (`"lax"` or `"matmul"`).
+
+    The round engine's measured choice on one accelerator (`fedorth.fed.autotune`: a vmapped
+    round with im2col convolutions, a sequential one with XLA's). `None` restores the rule of
+    `resolve_conv_impl`. Read when a convolution is traced: enter it inside the jitted function.
+    """
+    check_choice("auto_conv_impl", impl, (None, "lax", "matmul"))
+    token = _AUTO_CONV_IMPL.set(impl)
+    try:
+        yield
+    finally:
+        _AUTO_CONV_IMPL.reset(token)
+
+
 def resolve_conv_impl(impl: str, mode: str | None = "context") -> str:
     """What `impl` stands for when traced now: resolves `"auto"` and guards `"canonical"`.
 
@@ -151,7 +174,8 @@ def resolve_conv_impl(impl: str, mode: str | None = "context") -> str:
     fast either way, so the native convolution is kept there.
 
     `"canonical"` becomes `"matmul"` inside `conv_trace_mode("forward")` (same values; a custom
-    VJP admits no jvp). Other values are returned unchanged.
+    VJP admits no jvp). Inside `auto_conv_impl(x)`, `"auto"` is `x`. Other values are returned
+    unchanged.
 
     Args:
       impl: one of `CONV_IMPLS`.
@@ -162,6 +186,8 @@ def resolve_conv_impl(impl: str, mode: str | None = "context") -> str:
     if mode == "context":
         mode = _CONV_TRACE_MODE.get()
     check_choice("mode", mode, CONV_TRACE_MODES)
+    if impl == "auto" and _AUTO_CONV_IMPL.get() is not None:
+        return _AUTO_CONV_IMPL.get()
     if impl == "auto":
         if jax.default_backend() != "cpu":
             return "lax"
