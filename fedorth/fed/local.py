@@ -6,7 +6,7 @@ A client's optimizer is built as
           scale_by_round_learning_rate())
 
 so that the federated corrections act on the *direction* before the learning rate, exactly as
-the seeds' boxes write them: ``x <- x - eta [(1 - alpha) UV^T + lambda x + alpha Delta_G]``
+the papers' boxes write them: ``x <- x - eta [(1 - alpha) UV^T + lambda x + alpha Delta_G]``
 (FedMuon (Liu et al.) Alg. 2 line 9) and ``x <- x - eta [(1 - beta) P_Theta(g) + beta g_G + lambda
 x]``
 (FedPAC (Liu et al.) Alg. 9 line 20). The learning rate is the round's (``eta_r``), passed by the

@@ -70,7 +70,7 @@ ALGORITHMS: dict[str, Callable[..., FedAlgorithm]] = {
     "fedmuon_bc": fedmuon_bc,
     "fedmuon_zg": fedmuon_zg,
     "fedpac": fedpac,
-    "fedlada": fedlada,  # baselines of the seeds (issue 7): FedMuon (Liu et al.)
+    "fedlada": fedlada,  # baselines of FedMuon (Liu et al.)
     "fedavg_m": fedavg_m,  # FedMuon (Zhang & Gao)
     "fedavg_vr": fedavg_vr,
     "scaffold_m": scaffold_m,

@@ -18,11 +18,11 @@ The run's start, one averaging of the clients' first gradients and their squares
 ``v_0``) and the step ``x_1 = x_0 - eta m_0``, is a ``client_prepass`` that computes on round 0
 only and is left out of the per-round communication count.
 
-Sources (issue 23): the paper's box could not be read; two implementations were compared line by
+Sources: the paper's box could not be read; two implementations were compared line by
 line (naya0000/FaFed ``code/Image/FAFED.py`` at fd3e4c1, probably the authors' code, and the
 third-party port DadrasAli/fedbrew at 06e91b6). Both agree with the local recursion, keep a
 per-client previous iterate across rounds and start with one averaging of the clients' first
-gradients, as fedorth does since issue 23 (tests/test_baseline_sources.py transcribes the first
+gradients, as fedorth does (tests/test_baseline_sources.py transcribes the first
 one's loop); they disagree with each other at communication, where fedorth follows the first
 (:mod:`fedorth.optim.fafed`, docs/FIDELITY.md).
 """

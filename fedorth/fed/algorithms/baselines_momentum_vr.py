@@ -28,8 +28,8 @@ Choices where the source leaves room: ``g^0 = 0``, ``c = c_i = 0`` and ``x^{-1} 
 control variate is, as in SCAFFOLD-M, the mean raw gradient. FedAvg-M with ``server_lr=None``
 is FedCM (Xu et al. 2021) with ``alpha = beta``.
 
-Sources (issue 23). Cheng et al.'s algorithm boxes and code could not be read: the search tools
-return the paper's abstract and introduction only, and no code by the authors was found, so
+Sources. Cheng et al.'s algorithm boxes and code could not be read: only the paper's abstract
+and introduction are public, and no code by the authors was found, so
 ``g^0 = 0``, the VR anchor and the SCAFFOLD-VR control variate stay unconfirmed. One third-party
 reimplementation of FedAvg-M was found (NPCLEI/fedtorch, ``fedtorchPRO/ultra/avgM/client.py``
 and ``server.py``, commit ad16901, headed with the paper's title). It agrees on the direction

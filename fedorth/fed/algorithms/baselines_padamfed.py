@@ -28,10 +28,10 @@ over all parameters together, floored at ``eps``. The paper's theory-given ``eta
 ``beta`` (functions of ``S``, ``K``, ``T``) are set in the configs, not derived here. Sending
 ``d`` instead of ``c`` and ``g`` would save one model per round; like the paper we count both.
 
-Sources (issue 23). Yan et al.'s Alg. 1 box and code could not be read (the paper's abstract and
+Sources. Yan et al.'s Alg. 1 box and code could not be read (the paper's abstract and
 its public OpenReview reviews only: "line 8" of Alg. 1 is the normalized step, and the clients use
 ``c^{t-1}``, ``g^{t-1}`` only through ``beta c^{t-1} + (1 - beta) g^{t-1}``). One third-party
-reimplementation was found through the code index, whose repository the index does not name (an
+reimplementation was found, in an unnamed repository (an
 mmdetection3d project: a server function ``PAdaMFed_VR`` and a client hook
 ``PAdaMFedVRFp16OptimizerHook``). It writes the round as ``theta^{t+1} = theta^t - gamma
 g_model^t`` with ``g_model^t = mean_i (theta^t - theta_i^K) / (eta K)``, ``c^t = c^{t-1} + (1/N)

@@ -19,14 +19,14 @@ and which choices are ours.
   optimization: improved convergence analyses and algorithms", ICML, the momentum-based local
   algorithm): ``d <- (1 - beta) d + beta grad`` on each variable, ``x <- x - eta_x d_x``,
   ``y <- y + eta_y d_y``; at synchronization both the models and the momenta are averaged
-  (``client_state="global"``). ``d_0`` is the first stochastic gradient. Sources (issue 23):
+  (``client_state="global"``). ``d_0`` is the first stochastic gradient. Sources:
   neither Sharma et al.'s box nor code could be found; all of this is unconfirmed.
 * ``fedsgda_m``: FedSGDA-M (Wu et al. 2023, "Solving a class of non-convex minimax optimization in
   federated learning", NeurIPS): local STORM estimators (Cutkosky & Orabona 2019; Fed minimax
   (Zhang & Gao) Sec. 2.3)
   ``v_{k+1} = grad f(x_{k+1}; xi) + (1 - alpha)(v_k - grad f(x_k; xi))`` with the same sample at
   both points, averaged with the models at synchronization; the first step of a round uses the
-  averaged estimator, the very first step ``v_0 = grad f(x_0; xi_0)``. Sources (issue 23): the
+  averaged estimator, the very first step ``v_0 = grad f(x_0; xi_0)``. Sources: the
   first author's repository for this paper,
   xidongwu/Federated-Minimax-and-Conditional-Stochastic-Optimization (``Fair
   Classification/FSGDA.py``, commit ad55f9a), holds FedSGDA without an estimator (SGD on ``x``;

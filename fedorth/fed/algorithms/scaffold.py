@@ -4,8 +4,8 @@ Local step ``y_i <- y_i - eta_l (g_i(y_i) - c_i + c)``; option II control variat
 ``c_i+ = c_i - c + (x - y_i) / (K eta_l)``; server ``x <- x + eta_g mean_i(y_i - x)`` and
 ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``. Both ``c`` and ``c_i`` start at zero.
 
-The seeds' released PyTorch code adds a detached scalar for the correction, so it does nothing;
-here the correction is the full pytree ``c - c_i`` (DESIGN.md fidelity notes).
+The released PyTorch code of FedMuon (Liu et al.) and FedPAC adds a detached scalar for the
+correction, so it does nothing; here the correction is the full pytree ``c - c_i``.
 
 **With a stateful local optimizer** (momentum SGD or Adam: the "SCAFFOLD" and "SCAFFOLD (Adam)"
 baselines of FedMuon-LMO (bias-corrected LMO) §7.1), Alg. 1 does not say where the correction
