@@ -1,7 +1,7 @@
 """Defaults shared by every config: the CPU-friendly setting on the embedded digits data.
 
 Each algorithm's config imports :func:`get_base_config` and changes what it needs. Every field is
-described here; the contract of the sections is in DESIGN.md.
+described here; the contract of the sections is in docs/CONTRACTS.md.
 """
 
 import ml_collections

@@ -3,7 +3,7 @@
 The training examples live on device once (``x_train``, ``y_train``); each client is a row of
 ``client_index`` (indices into ``x_train``, padded with 0) and its true size ``client_size``.
 Mini-batches are gathered inside ``jit``/``vmap`` from a PRNG key, so no host transfer happens per
-step (DESIGN.md, "The round engine"; CONTRACTS.md, "Federated data").
+step (docs/ARCHITECTURE.md; docs/CONTRACTS.md, "Federated data").
 """
 
 from __future__ import annotations

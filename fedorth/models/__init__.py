@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | mlp | ReLU MLP / logistic regression | offline data (FedAvg 2NN) |
 | lenet5 | LeNet-5 | FedMuon-LMO §7.1 (FashionMNIST) |
-| cnn | FedAvg's CIFAR CNN (conv 32/64, dense 384/192) | DESIGN.md performance note |
+| cnn | FedAvg's CIFAR CNN (conv 32/64, dense 384/192) | docs/PERFORMANCE.md, XLA:CPU traps |
 | resnet18 | ResNet-18, CIFAR stem, BN or GN | the four vision papers (GN: FedMuon-LMO) |
 | vit_tiny | ViT-Tiny (192/6/3, patch 4) | FedPAC (Liu et al.) Appendix D.4, FedMuon (Liu et al.) |
 | vit_zg | CIFAR ViT (512/6/8, patch 4) | FedMuon (Zhang & Gao) Appendix A.1 Table 2 |

@@ -2,7 +2,7 @@
 
 Two 5×5 SAME convolutions (32 and 64 channels), each followed by ReLU and a 2×2 max-pool, then
 dense 384 → 192 → classes (the TensorFlow CIFAR-10 tutorial model that FedAvg trains). It is the
-"small CNN" of /work/shared/DESIGN.md's performance note (convolution gradients inside `lax.scan`
+"small CNN" of docs/PERFORMANCE.md's XLA:CPU traps (convolution gradients inside `lax.scan`
 on XLA:CPU), hence `conv_impl`. On 32×32×3 inputs with 10 classes it has
   2,432 + 51,264 + 1,573,248 (8·8·64·384 + 384) + 73,920 + 1,930 = 1,702,794 parameters.
 """

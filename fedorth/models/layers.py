@@ -1,6 +1,6 @@
 """Shared layers: a matmul-formulated convolution and reshape-based pooling.
 
-Why these exist (docs: /work/shared/DESIGN.md, "The round engine"): on XLA:CPU the gradient of a
+Why these exist (docs/PERFORMANCE.md, "XLA:CPU traps"): on XLA:CPU the gradient of a
 convolution inside a `lax.scan` body runs ~25x slower than outside it (jax-ml/jax#12868), and
 `vmap` over a client axis turns convolutions into grouped convolutions, which are slow too. A
 convolution written as im2col by shifted slices followed by one `jnp.dot` only uses slices,

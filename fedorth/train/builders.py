@@ -1,6 +1,6 @@
 """From a config to the objects of a run: data, model, algorithm, round function.
 
-The config sections are the contract of DESIGN.md (``seed``, ``data``, ``model``, ``fed``,
+The config sections are the contract of docs/CONTRACTS.md (``seed``, ``data``, ``model``, ``fed``,
 ``optim``, ``eval_every``, ``checkpoint_every``); see ``configs/base.py`` for every field.
 """
 
