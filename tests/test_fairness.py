@@ -787,7 +787,7 @@ def test_every_muon_method_orthogonalizes_the_leaves_of_one_mask():
     import numpy as np
 
     from fedorth import fed
-    from fedorth.fed.algorithms import minimax
+    from fedorth.optim import minimax
     from fedorth.optim.muon import default_muon_mask
 
     mask = default_muon_mask(_mask_tree(0))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedorth import fed
-from fedorth.fed.algorithms import minimax as mm
+from fedorth.optim.minimax import minimax_labels
 from fedorth.theory.minimax_toy import heavy_tailed_noise, make_minimax_toy
 
 N, K, R = 4, 3, 4
@@ -327,7 +327,7 @@ def test_toy_grad_phi_is_danskin_gradient():
 def test_labels_and_errors():
     """Dual leaves by key; bad options name the argument and the valid choices."""
     params = {"net": {"w": jnp.zeros(2)}, "a": 0.0, "dual": {"alpha": 0.0}}
-    labels = mm.minimax_labels(params)
+    labels = minimax_labels(params)
     assert labels == {"net": {"w": "primal"}, "a": "primal", "dual": {"alpha": "dual"}}
     with pytest.raises(ValueError, match="optim.name='adamw'"):
         fed.get_algorithm("fed_nsgda_m", {"name": "adamw"})

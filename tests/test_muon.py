@@ -837,7 +837,7 @@ def test_minimax_muon_step_takes_ns_dtype():
     # FedMuon-DA (Fed minimax (Zhang & Gao) Alg. 2/3) orthogonalizes with the same
     # newton_schulz: optim.ns_dtype reaches it; "auto" is accepted by every minimax step.
     from fedorth import fed
-    from fedorth.fed.algorithms import minimax
+    from fedorth.optim import minimax
 
     tree = {"primal": {"w": jnp.ones((8, 24))}, "dual": {"a": jnp.ones((3,))}}
     label_fn = minimax.make_label_fn(("dual",))

@@ -20,7 +20,7 @@ scores the inner problem is solved by ``w_1 = E[h | b=1]``, ``w_2 = E[h | b=-1]`
 :func:`auc` wraps any classification model of :mod:`fedorth.models` into this objective. Its
 parameters are ``{"net": <the model's params>, "a": w_1, "b": w_2, "dual": {"alpha": w_3}}``: the
 ``"dual"`` key marks the maximization variable for the minimax algorithms
-(:func:`fedorth.fed.algorithms.minimax.minimax_labels`). Labels are 0/1 (``b = -1`` is 0).
+(:func:`fedorth.optim.minimax.minimax_labels`). Labels are 0/1 (``b = -1`` is 0).
 
 Choices: the score is ``h = sigmoid(z_1 - z_0)`` (the softmax probability of class 1) for a
 two-logit model (Fed minimax (Zhang & Gao)'s RNN has "output dimension 2"), ``sigmoid(z)`` for one

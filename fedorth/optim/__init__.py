@@ -1,8 +1,27 @@
-"""Optax transforms: Newton–Schulz/Muon and the LMO family, SOAP, Sophia, federated pieces."""
+"""Optax transforms: Newton–Schulz/Muon and the LMO family, SOAP, Sophia, federated, minimax."""
 
 from fedorth.optim.biclip import biclip, scale_by_biclip  # noqa: F401
 from fedorth.optim.compress import low_rank, low_rank_factors, low_rank_num_floats  # noqa: F401
 from fedorth.optim.fafed import FafedState, scale_by_fafed  # noqa: F401
+from fedorth.optim.fedmuon_zg import zg_muon_step  # noqa: F401
+from fedorth.optim.minimax import (  # noqa: F401
+    GradientMeanState,
+    ascend_dual,
+    gradient_mean,
+    make_label_fn,
+    minimax_labels,
+    minimax_momentum,
+    minimax_server_tx,
+    scale_by_minimax_step,
+    track_gradient_mean,
+)
+from fedorth.optim.minimax_baselines import (  # noqa: F401
+    MomentumState,
+    sampled_control_variate,
+    smooth_toward_anchor,
+    storm_estimator,
+    variable_momentum,
+)
 from fedorth.optim.momentum_vr import (  # noqa: F401
     global_momentum,
     normalize_by_global_norm,
@@ -55,6 +74,19 @@ __all__ = [
     "global_momentum",
     "normalize_by_global_norm",
     "running_mean",
+    "zg_muon_step",
+    "scale_by_minimax_step",
+    "minimax_momentum",
+    "track_gradient_mean",
+    "gradient_mean",
+    "ascend_dual",
+    "minimax_server_tx",
+    "minimax_labels",
+    "make_label_fn",
+    "variable_momentum",
+    "storm_estimator",
+    "sampled_control_variate",
+    "smooth_toward_anchor",
     "average_soap_states",
     "low_rank",
     "low_rank_factors",
@@ -64,4 +96,6 @@ __all__ = [
     "SophiaState",
     "FafedState",
     "StormState",
+    "GradientMeanState",
+    "MomentumState",
 ]

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,16 @@ from fedorth.fed.algorithms import minimax as mm
 from fedorth.fed.corrections import Corrections, Prepass
 from fedorth.fed.quantities import ClientReport, ServerQuantities
 from fedorth.optim import federated as fed_optim
+from fedorth.optim import minimax as om
+from fedorth.optim.minimax_baselines import (
+    SAMPLED_GRADIENT,
+    StormState,
+    _count_steps,
+    sampled_control_variate,
+    smooth_toward_anchor,
+    storm_estimator,
+    variable_momentum,
+)
 
 PyTree = Any
 
@@ -83,12 +93,12 @@ _SGD_ONLY = {"sgd": ()}
 
 def _server(label_fn, server_lr: float, dual_server_lr: float | None) -> update.ServerUpdate:
     dual = server_lr if dual_server_lr is None else dual_server_lr
-    return update.ServerUpdate(tx=mm.minimax_server_tx(label_fn, server_lr, dual, 1.0))
+    return update.ServerUpdate(tx=om.minimax_server_tx(label_fn, server_lr, dual, 1.0))
 
 
 def _local_tx(label_fn, dual_lr_ratio: float, *parts) -> optax.GradientTransformationExtraArgs:
     return optax.chain(
-        *parts, mm.ascend_dual(label_fn, dual_lr_ratio), fed_optim.scale_by_round_learning_rate()
+        *parts, om.ascend_dual(label_fn, dual_lr_ratio), fed_optim.scale_by_round_learning_rate()
     )
 
 
@@ -113,7 +123,7 @@ def local_sgda(
       dual_keys: keys marking dual leaves.
     """
     mm.split_minimax_optim(optim, "local_sgda", _SGD_ONLY)
-    label_fn = mm.make_label_fn(dual_keys)
+    label_fn = om.make_label_fn(dual_keys)
     return FedAlgorithm(
         name="local_sgda",
         local_tx=_local_tx(label_fn, dual_lr_ratio),
@@ -123,44 +133,6 @@ def local_sgda(
 
 
 # -------------------------------------------------------------------- LocalSGDAM (Sharma)
-
-
-class MomentumState(NamedTuple):
-    """State of :func:`variable_momentum`."""
-
-    count: jax.Array  # shape=(), int32: shared schedule counter (steps since the start)
-    momentum: PyTree
-
-
-def variable_momentum(
-    label_fn, beta_primal: float, beta_dual: float
-) -> optax.GradientTransformationExtraArgs:
-    r"""Per-variable momentum ``d <- (1 - beta) d + beta g`` with ``d_0 = g_0``.
-
-    Sharma et al. 2022's momentum Local SGDA: ``beta_x`` on primal, ``beta_y`` on dual leaves
-    (weights of the new stochastic gradient, Fed minimax (Zhang & Gao)'s convention for ``beta``).
-    """
-    bx = mm._check_unit("beta_x", beta_primal)
-    by = mm._check_unit("beta_y", beta_dual)
-
-    def init_fn(params):
-        return MomentumState(
-            count=jnp.zeros([], jnp.int32), momentum=jax.tree.map(jnp.zeros_like, params)
-        )
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        betas = mm._by_label(label_fn, updates, bx, by)
-        first = state.count == 0
-        new = jax.tree.map(
-            lambda d, g, b: jnp.where(first, g, (1.0 - b) * d + b * g).astype(g.dtype),
-            state.momentum,
-            updates,
-            betas,
-        )
-        return new, MomentumState(count=optax.safe_increment(state.count), momentum=new)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def local_sgdam(
@@ -186,7 +158,7 @@ def local_sgdam(
       dual_keys: keys marking dual leaves.
     """
     mm.split_minimax_optim(optim, "local_sgdam", _SGD_ONLY)
-    label_fn = mm.make_label_fn(dual_keys)
+    label_fn = om.make_label_fn(dual_keys)
     beta_y = beta_x if beta_y is None else beta_y
     return FedAlgorithm(
         name="local_sgdam",
@@ -198,61 +170,6 @@ def local_sgdam(
 
 
 # -------------------------------------------------------------------------- FedSGDA-M (Wu)
-
-
-class StormState(NamedTuple):
-    """State of :func:`storm_estimator`."""
-
-    count: jax.Array  # shape=(), int32: shared counter of all local steps (aggregated)
-    local_count: jax.Array  # shape=(), int32: local steps this round (restarted each round)
-    estimate: PyTree  # the STORM estimator v (aggregated)
-    previous: PyTree  # the iterate of the previous local step (restarted: round start)
-
-
-def storm_estimator(label_fn, alpha_primal: float, alpha_dual: float):
-    r"""STORM gradient estimator (Cutkosky & Orabona 2019) of FedSGDA-M (Wu et al. 2023).
-
-    .. math:: v_k = \nabla f(x_k; \xi_k) + (1 - \alpha)(v_{k-1} - \nabla f(x_{k-1}; \xi_k))
-
-    ``grad f(x_{k-1}; xi_k)`` is the gradient of the engine's ``obj_fn`` (this step's batch) at
-    the stored previous iterate. At the first step of a round the (server-averaged) estimator is
-    used as it is; at the very first step ``v_0 = grad f(x_0; xi_0)``. ``alpha`` in (0, 1] is the
-    weight of the new gradient (``alpha = 1``: SGD).
-    """
-    ax = mm._check_unit("alpha_x", alpha_primal)
-    ay = mm._check_unit("alpha_y", alpha_dual)
-
-    def init_fn(params):
-        return StormState(
-            count=jnp.zeros([], jnp.int32),
-            local_count=jnp.zeros([], jnp.int32),
-            estimate=jax.tree.map(jnp.zeros_like, params),
-            previous=jax.tree.map(jnp.copy, params),
-        )
-
-    def update_fn(updates, state, params=None, *, obj_fn=None, **extra_args):
-        del extra_args
-        if obj_fn is None or params is None:
-            raise ValueError("storm_estimator needs params and the extra argument `obj_fn`.")
-        previous_grads = jax.grad(obj_fn)(state.previous)
-        alphas = mm._by_label(label_fn, updates, ax, ay)
-        first_ever = state.count == 0
-        round_start = state.local_count == 0
-
-        def one(v, g, g_prev, a):
-            storm = g + (1.0 - a) * (v - g_prev.astype(g.dtype))
-            return jnp.where(first_ever, g, jnp.where(round_start, v, storm)).astype(g.dtype)
-
-        estimate = jax.tree.map(one, state.estimate, updates, previous_grads, alphas)
-        new_state = StormState(
-            count=optax.safe_increment(state.count),
-            local_count=optax.safe_increment(state.local_count),
-            estimate=estimate,
-            previous=jax.tree.map(jnp.copy, params),
-        )
-        return estimate, new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def storm_aggregate_mask(opt_state):
@@ -294,7 +211,7 @@ def fedsgda_m(
       dual_keys: keys marking dual leaves.
     """
     mm.split_minimax_optim(optim, "fedsgda_m", _SGD_ONLY)
-    label_fn = mm.make_label_fn(dual_keys)
+    label_fn = om.make_label_fn(dual_keys)
     alpha_y = alpha_x if alpha_y is None else alpha_y
     return FedAlgorithm(
         name="fedsgda_m",
@@ -306,38 +223,6 @@ def fedsgda_m(
 
 
 # ----------------------------------------------------------------------- F-SAGDA (Yang)
-
-SAMPLED_GRADIENT = "sampled_gradient"
-
-
-def sampled_control_variate(name: str = SAMPLED_GRADIENT) -> optax.GradientTransformationExtraArgs:
-    r"""SAGDA's local direction: the gradient corrected by the round's sampled gradients.
-
-    .. math:: d = \nabla f_i(x, y; \xi) - q_i + v, \qquad
-              v = \frac{1}{|S_t|} \sum_{j \in S_t} q_j
-
-    ``q_i`` is client ``i``'s stochastic gradient at the server point (extra argument ``name``,
-    from the engine's ``client_prepass``) and ``v`` its mean over the round's sampled clients
-    (extra argument ``name + "_mean"``); Yang et al. 2022a (SAGDA), see the module docstring.
-    """
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params
-        own, mean = extra_args.get(name), extra_args.get(f"{name}_mean")
-        if own is None or mean is None:
-            raise ValueError(
-                f"sampled_control_variate needs the extra arguments `{name}` and `{name}_mean` "
-                "(fedorth.fed.corrections.Prepass)."
-            )
-        out = jax.tree.map(
-            lambda g, q, v: (g - q.astype(g.dtype) + v.astype(g.dtype)).astype(g.dtype),
-            updates,
-            own,
-            mean,
-        )
-        return out, state
-
-    return optax.GradientTransformationExtraArgs(lambda p: fed_optim.EmptyState(), update_fn)
 
 
 def _sampled_gradient(ctx: dict) -> dict:
@@ -370,7 +255,7 @@ def f_sagda(
       dual_keys: keys marking dual leaves.
     """
     mm.split_minimax_optim(optim, "f_sagda", _SGD_ONLY)
-    label_fn = mm.make_label_fn(dual_keys)
+    label_fn = om.make_label_fn(dual_keys)
     return FedAlgorithm(
         name="f_sagda",
         local_tx=_local_tx(label_fn, dual_lr_ratio, sampled_control_variate()),
@@ -384,44 +269,51 @@ def f_sagda(
 # ------------------------------------------------------------------------ FESS-GDA (Shen)
 
 
-def smooth_toward_anchor(label_fn, penalty: float) -> optax.GradientTransformationExtraArgs:
-    r"""Adds the smoothing gradient ``p (x - z)`` on primal leaves (dual leaves unchanged).
+def _fess_server_pieces(label_fn, penalty: float, rate: float, gx: float, on_server: bool):
+    """FESS-GDA's server side: the anchor ``z`` (init, update), the clients' report and, with
+    ``smoothing="server"``, the aggregate ``mean(dx) - eta_x K p (x - z)``."""
 
-    .. math:: g_x \leftarrow g_x + p (x - z)
+    def init(params):
+        return {"smoothing_anchor": jax.tree.map(jnp.copy, params)}
 
-    ``z`` is the server's anchor (extra argument ``smoothing_anchor``), the gradient of the
-    Smoothed-AGDA surrogate ``f + (p/2)||x - z||^2`` (FESS-GDA, Shen et al. 2024).
-    """
-    if not penalty >= 0:
-        raise ValueError(f"fed.options.penalty={penalty} must be >= 0.")
+    def report(ctx):
+        out = {"delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])}
+        if on_server:  # eta_x K of the server's smoothing term
+            out["smooth_scale"] = ctx["learning_rate"] * ctx["opt_state"][0].count
+        return out
 
-    def update_fn(updates, state, params=None, *, smoothing_anchor=None, **extra_args):
-        del extra_args
-        if smoothing_anchor is None or params is None:
-            raise ValueError("smooth_toward_anchor needs params and `smoothing_anchor`.")
-        on = mm._by_label(label_fn, updates, float(penalty), 0.0)
-        out = jax.tree.map(
-            lambda g, x, z, p: (g + p * (x - z.astype(x.dtype))).astype(g.dtype),
-            updates,
-            params,
-            smoothing_anchor,
+    def smoothed(server, delta, scale):
+        """``mean(dx) - eta_x K p (x - z)`` on primal leaves (``"server"``), else ``mean(dx)``."""
+        if not on_server:
+            return delta
+        on = om._by_label(label_fn, server.params, float(penalty), 0.0)
+        return jax.tree.map(
+            lambda d, x, z, p: (d - scale * p * (x - z.astype(x.dtype))).astype(d.dtype),
+            delta,
+            server.params,
+            server.extra["smoothing_anchor"],
             on,
         )
-        return out, state
 
-    return optax.GradientTransformationExtraArgs(lambda p: fed_optim.EmptyState(), update_fn)
+    def aggregate(server, deltas_c, reports_c):
+        mean = jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas_c)
+        return smoothed(server, mean, jnp.mean(reports_c["smooth_scale"]))
 
+    def update_anchor(server, reports, learning_rate):
+        del learning_rate
+        delta = smoothed(server, reports["delta"], reports.get("smooth_scale", 0.0))
+        # The server's primal step x+ = x + gamma_x mean(dx) (the "mean" rule with sgd(gamma_x)).
+        on = om._by_label(label_fn, server.params, rate, 0.0)
+        anchor = jax.tree.map(
+            lambda z, x, d, r: (z + r * (x + gx * d - z)).astype(z.dtype),
+            server.extra["smoothing_anchor"],
+            server.params,
+            delta,
+            on,
+        )
+        return {"smoothing_anchor": anchor}
 
-class _CountState(NamedTuple):
-    count: jax.Array  # shape=(), int32: local steps of the round
-
-
-def _count_steps() -> optax.GradientTransformation:
-    """Passes updates through; counts the round's local steps (state reset every round)."""
-    return optax.GradientTransformation(
-        lambda params: _CountState(count=jnp.zeros([], jnp.int32)),
-        lambda updates, state, params=None: (updates, _CountState(state.count + 1)),
-    )
+    return init, report, aggregate, update_anchor
 
 
 def fess_gda(
@@ -454,52 +346,16 @@ def fess_gda(
     if smoothing not in ("local", "server"):
         raise ValueError(f"fed.options.smoothing={smoothing!r}; valid: ('local', 'server').")
     mm.split_minimax_optim(optim, "fess_gda", _SGD_ONLY)
-    rate = mm._check_unit("anchor_rate", anchor_rate, closed_low=True)
-    label_fn = mm.make_label_fn(dual_keys)
-    gx = mm._check_positive("server_lr", server_lr)
+    rate = om._check_unit("anchor_rate", anchor_rate, closed_low=True)
+    label_fn = om.make_label_fn(dual_keys)
+    gx = om._check_positive("server_lr", server_lr)
     on_server = smoothing == "server"
     if on_server and not penalty >= 0:
         raise ValueError(f"fed.options.penalty={penalty} must be >= 0.")
 
-    def init(params):
-        return {"smoothing_anchor": jax.tree.map(jnp.copy, params)}
-
-    def report(ctx):
-        out = {"delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])}
-        if on_server:  # eta_x K of the server's smoothing term
-            out["smooth_scale"] = ctx["learning_rate"] * ctx["opt_state"][0].count
-        return out
-
-    def smoothed(server, delta, scale):
-        """``mean(dx) - eta_x K p (x - z)`` on primal leaves (``"server"``), else ``mean(dx)``."""
-        if not on_server:
-            return delta
-        on = mm._by_label(label_fn, server.params, float(penalty), 0.0)
-        return jax.tree.map(
-            lambda d, x, z, p: (d - scale * p * (x - z.astype(x.dtype))).astype(d.dtype),
-            delta,
-            server.params,
-            server.extra["smoothing_anchor"],
-            on,
-        )
-
-    def aggregate(server, deltas_c, reports_c):
-        mean = jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas_c)
-        return smoothed(server, mean, jnp.mean(reports_c["smooth_scale"]))
-
-    def update_anchor(server, reports, learning_rate):
-        del learning_rate
-        delta = smoothed(server, reports["delta"], reports.get("smooth_scale", 0.0))
-        # The server's primal step x+ = x + gamma_x mean(dx) (the "mean" rule with sgd(gamma_x)).
-        on = mm._by_label(label_fn, server.params, rate, 0.0)
-        anchor = jax.tree.map(
-            lambda z, x, d, r: (z + r * (x + gx * d - z)).astype(z.dtype),
-            server.extra["smoothing_anchor"],
-            server.params,
-            delta,
-            on,
-        )
-        return {"smoothing_anchor": anchor}
+    init, report, aggregate, update_anchor = _fess_server_pieces(
+        label_fn, penalty, rate, gx, on_server
+    )
 
     if on_server:
         local_tx = _local_tx(label_fn, dual_lr_ratio, _count_steps())
