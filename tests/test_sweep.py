@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import fedavg, fedmuon, fedpac_soap, scaffold
+from configs import fedavg, fedcm, fedmuon, fedpac_soap, scaffold
 from fedorth.sweep import Grid, ReplicaRound, SweepError
-from fedorth.sweep.grid import parse_sweep_argv
+from fedorth.sweep.grid import get_key, parse_sweep_argv
 from fedorth.train import builders
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ GRID = {"seed": [42, 43], "optim.learning_rate": [0.07]}
 
 
 def tiny(name: str, client_strategy: str = "sequential"):
-    config = CONFIGS[name].get_config()
+    config = {**CONFIGS, "fedcm": fedcm}[name].get_config()
     config.model.hidden_sizes = (16,)
     config.data.num_clients = 4
     config.fed.clients_per_round = 2
@@ -146,6 +146,33 @@ def test_traced_hyperparameters_compile_one_round_for_all_values():
     compare(grid, round_, states, metrics, exact=True)
 
 
+# Keys fedorth branches on when they are concrete numbers (a nonzero weight decay or momentum adds
+# its transform, beta = 0 skips the mixing), traced as arrays in a sweep. The values are
+# exact in float32 and their complements too (1 - 0.25), so the maths is the single run's.
+# A traced weight decay or local momentum of 0 computes g + 0 x and 0 m + g: the same numbers.
+# A server momentum or alpha/beta of 0 would keep state the single run has not (a zero trace,
+# the global direction), so those grids hold nonzero values.
+TRACED_BRANCH_KEYS = [
+    ("fedavg", "optim.weight_decay", [0.0, 1e-3]),
+    ("fedavg", "optim.momentum", [0.0, 0.5]),
+    ("fedavg", "fed.options.server_momentum", [0.5, 0.25]),
+    ("fedmuon", "fed.options.alpha", [0.5, 0.25]),
+    ("fedpac_soap", "fed.options.beta", [0.5, 0.25]),
+    ("fedcm", "fed.options.alpha", [0.5, 0.25]),  # mixes with beta = 1 - alpha, in the round
+]
+
+
+@pytest.mark.parametrize("name, key, values", TRACED_BRANCH_KEYS)
+def test_keys_fedorth_branches_on_are_traced_and_each_replica_is_its_single_run(name, key, values):
+    config = tiny(name)
+    section, _, leaf = key.rpartition(".")
+    if leaf not in get_key(config, section):  # SGD's momentum, FedAvg's server momentum
+        get_key(config, section)[leaf] = values[0]
+    grid, round_, states, metrics = sweep(config, {key: values}, "sequential")
+    assert grid.kinds[key] == "traced" and round_._step._cache_size() == 1
+    compare(grid, round_, states, metrics, exact=True)
+
+
 @pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
 def test_stack_and_unstack_are_inverse(replica_strategy):
     config = tiny("scaffold", "vmap")
@@ -190,11 +217,32 @@ def test_bad_grids_get_one_line_naming_the_key(values, message):
 
 
 def test_a_key_the_algorithm_reads_as_a_number_is_refused():
-    """optim.weight_decay: fedorth.fed.local.split_optim converts it with float() (and adds the
-    decay only when it is nonzero), so its values cannot share a compiled round."""
-    config = tiny("fedavg")
-    grid = Grid(config, {"optim.weight_decay": [0.0, 1e-3]})
-    with pytest.raises(SweepError, match=r"sweep\.optim\.weight_decay is not sweepable") as info:
+    """optim.fallback_lr_ratio: fedorth.fed.local.decay_rates converts Muon's fallback lr ratio
+    with float(), so its values cannot share a compiled round."""
+    config = tiny("fedmuon")
+    grid = Grid(config, {"optim.fallback_lr_ratio": [1.0, 0.5]})
+    with pytest.raises(
+        SweepError, match=r"sweep\.optim\.fallback_lr_ratio is not sweepable"
+    ) as info:
+        ReplicaRound.from_grid(grid)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("fedpac_soap", "optim.weight_decay"),  # clients start from the server's local state
+        ("fedavg", "fed.options.server_momentum"),  # 0: no server trace
+        ("fedmuon", "fed.options.alpha"),  # 0: no global direction
+    ],
+)
+def test_a_grid_with_0_is_refused_where_0_changes_the_servers_state(name, key):
+    """A concrete 0 leaves out a transform (and its state) the other values keep."""
+    config = tiny(name)
+    section, _, leaf = key.rpartition(".")
+    get_key(config, section)[leaf] = 0.0
+    grid = Grid(config, {key: [0.0, 0.5]})
+    with pytest.raises(SweepError, match=rf"sweep\.{key}: a value 0 .*run 0 alone") as info:
         ReplicaRound.from_grid(grid)
     assert "\n" not in str(info.value)
 

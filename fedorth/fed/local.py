@@ -45,8 +45,9 @@ def matrix_labels(params: PyTree) -> PyTree:
 
 
 def _sgd(*, momentum: float = 0.0, nesterov: bool = False):
-    """SGD (``momentum = 0``) or heavy-ball momentum ``m <- mu m + g`` (``optax.trace``)."""
-    if momentum == 0.0:
+    """SGD (``momentum = 0``) or heavy-ball momentum ``m <- mu m + g`` (``optax.trace``); a
+    traced ``momentum`` (a sweep's value) always keeps ``m``."""
+    if fed_optim.is_concrete(momentum) and momentum == 0.0:
         return optax.identity()
     return optax.trace(decay=momentum, nesterov=nesterov)
 
@@ -218,10 +219,11 @@ def decay_rates(name: str, weight_decay: float, hparams: Mapping[str, Any]) -> f
     with its own lr and ``weight_decay``; KellerJordan/Muon's ``MuonWithAuxAdam`` likewise).
     Muon's fallback runs at ``fallback_lr_ratio * lr``, so its leaves (``matrix_labels`` "other")
     decay with ``fallback_lr_ratio * lambda``: ``{"matrix": lambda, "other": ratio * lambda}``
-    for :func:`local_tx`. Any other optimizer has one group: ``lambda``.
+    for :func:`local_tx`. Any other optimizer has one group: ``lambda``. A traced ``lambda``
+    (a sweep's value) is split by the ratio alone.
     """
     ratio = float(hparams.get("fallback_lr_ratio", 1.0)) if name == "muon" else 1.0
-    if not weight_decay or ratio == 1.0:
+    if ratio == 1.0 or (fed_optim.is_concrete(weight_decay) and not weight_decay):
         return weight_decay
     return {"matrix": weight_decay, "other": ratio * weight_decay}
 
@@ -241,7 +243,9 @@ def split_optim(optim: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
     name = hp.pop("name")
     for key in SCHEDULE_KEYS:  # the round's learning rate is the engine's, not the optimizer's
         hp.pop(key, None)
-    weight_decay = float(hp.pop("weight_decay", 0.0))
+    weight_decay = hp.pop("weight_decay", 0.0)
+    if fed_optim.is_concrete(weight_decay):  # a sweep's traced value stays an array
+        weight_decay = float(weight_decay)
     ns_dtype = hp.pop("ns_dtype", None)
     if ns_dtype not in (None, "auto"):  # "auto" is every NS transform's default: not passed
         if name in DIRECTIONS and "ns_dtype" not in direction_keywords(name):
@@ -266,12 +270,13 @@ def local_tx(
       direction_tx: the optimizer's direction.
       weight_decay: decoupled weight decay ``lambda`` (added after mixing, before the lr); a
         mapping ``{"matrix": ..., "other": ...}`` decays the groups of :func:`matrix_labels`
-        each at its own rate (:func:`decay_rates`).
+        each at its own rate (:func:`decay_rates`). A concrete 0 adds nothing; a traced rate
+        (a sweep's value) always adds ``lambda x`` (``x * 0`` where it is 0: the same numbers).
       mix_beta: if not None, mix with the global direction (``Corrections(global_direction=True)``).
       pre: transforms applied to the gradient first (SCAFFOLD's control-variate correction).
     """
     rates = dict(weight_decay) if isinstance(weight_decay, Mapping) else {"all": weight_decay}
-    if any(rate < 0 for rate in rates.values()):
+    if any(fed_optim.is_concrete(rate) and rate < 0 for rate in rates.values()):
         raise ValueError(f"optim.weight_decay={weight_decay} must be >= 0.")
     parts = [*pre, direction_tx]
     if mix_beta is not None:
@@ -283,7 +288,7 @@ def local_tx(
                 matrix_labels,
             )
         )
-    elif weight_decay:
+    elif not fed_optim.is_concrete(weight_decay) or weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(fed_optim.scale_by_round_learning_rate())
     return optax.chain(*parts)

@@ -252,6 +252,16 @@ class EmptyState(NamedTuple):
     """State of a stateless transform."""
 
 
+def is_concrete(value: Any) -> bool:
+    """Whether a hyperparameter is a concrete number (Python or NumPy), not a JAX array.
+
+    A sweep (``fedorth.sweep``) passes its traced hyperparameters as JAX arrays (tracers in the
+    compiled round): code that branches on a hyperparameter's value branches only when it is
+    concrete, and takes the general path, valid for every value, otherwise.
+    """
+    return not isinstance(value, jax.Array | jax.core.Tracer)
+
+
 def mix_with_global(beta: float) -> optax.GradientTransformationExtraArgs:
     r"""Mixes the local direction with the server's global direction.
 
@@ -262,13 +272,15 @@ def mix_with_global(beta: float) -> optax.GradientTransformationExtraArgs:
     Alg. 2/3 line 9 and Alg. 5/7/9; FedCM (Xu et al. 2021) with ``beta = 1 - alpha``.
 
     Args:
-      beta: weight of the global direction, in [0, 1].
+      beta: weight of the global direction, in [0, 1]; a traced array (a sweep's value) is
+        taken as given (no range check) and always mixes.
 
     Returns:
       A transform whose ``update`` takes the extra argument ``global_direction`` (a pytree like the
-      updates). ``beta = 0`` returns the updates unchanged.
+      updates). A concrete ``beta = 0`` returns the updates unchanged.
     """
-    if not 0.0 <= beta <= 1.0:
+    concrete = is_concrete(beta)
+    if concrete and not 0.0 <= beta <= 1.0:
         raise ValueError(f"mix_with_global: beta={beta} must lie in [0, 1].")
 
     def init_fn(params):
@@ -277,7 +289,7 @@ def mix_with_global(beta: float) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(updates, state, params=None, *, global_direction=None, **extra_args):
         del params, extra_args
-        if beta == 0.0:
+        if concrete and beta == 0.0:
             return updates, state
         if global_direction is None:
             raise ValueError("mix_with_global needs the extra argument `global_direction`.")

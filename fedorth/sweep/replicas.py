@@ -266,8 +266,15 @@ class ReplicaRound:
             value = {key: jnp.asarray(self.values[key][0])}
             try:
                 jax.eval_shape(self._body, server, data, value)
-            except (*_TRACER_ERRORS, ValueError) as e:
+            except (*_TRACER_ERRORS, ValueError, TypeError, AttributeError) as e:
                 cause = _tracer_error(e)
+                if cause is None and len({jax.tree.structure(s) for s in self._initial}) > 1:
+                    raise SweepError(
+                        f"sweep.{key}: a value 0 leaves out a transform whose state the server "
+                        f"keeps for the other values (a weight decay, a momentum, the global "
+                        f"direction), so the replicas' states differ in structure; sweep "
+                        f"nonzero values and run 0 alone."
+                    ) from None
                 if cause is None:
                     raise
                 raise SweepError(

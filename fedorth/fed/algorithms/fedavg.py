@@ -24,6 +24,7 @@ import optax
 
 from fedorth.fed import local, start, update
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.optim import federated as fed_optim
 from fedorth.optim.momentum_vr import scale_by_adam_uncorrected
 
 
@@ -67,7 +68,13 @@ def fedavg(
         local_tx=tx,
         start=start.Persistent() if client_state == "persistent" else start.Reset(),
         server=update.ServerUpdate(
-            tx=optax.sgd(server_lr, momentum=server_momentum or None),
+            # A traced momentum (a sweep's value) always keeps the server's trace.
+            tx=optax.sgd(
+                server_lr,
+                momentum=server_momentum
+                if not fed_optim.is_concrete(server_momentum)
+                else server_momentum or None,
+            ),
             rule=update.rule_named(server_rule),
         ),
         paper=paper,

@@ -15,11 +15,12 @@ import optax
 from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.corrections import Corrections
+from fedorth.optim import federated as fed_optim
 
 
 def fedcm(optim: Mapping[str, Any], *, alpha: float = 0.1, server_lr: float = 1.0) -> FedAlgorithm:
     """FedCM with client-level momentum weight ``alpha`` on the local gradient."""
-    if not 0.0 <= alpha <= 1.0:
+    if fed_optim.is_concrete(alpha) and not 0.0 <= alpha <= 1.0:  # else a sweep's traced value
         raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(

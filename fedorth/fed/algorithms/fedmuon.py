@@ -24,6 +24,7 @@ from typing import Any
 from fedorth.fed import local, start
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.corrections import Corrections
+from fedorth.optim import federated as fed_optim
 
 
 def fedmuon(
@@ -42,19 +43,21 @@ def fedmuon(
       momentum_aggregation: warm-start clients from the averaged momentum (else reset).
       svd_ratio: fraction of the rank kept when uploading momentum (FedMuon_SVD: 0.05).
     """
-    if not 0.0 <= alpha <= 1.0:
+    concrete = fed_optim.is_concrete(alpha)  # else a sweep's traced value: always aligns
+    if concrete and not 0.0 <= alpha <= 1.0:
         raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
+    aligns = not concrete or alpha > 0
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(
         local.direction(opt, **hp),
         weight_decay=local.decay_rates(opt, weight_decay, hp),
-        mix_beta=alpha if alpha > 0 else None,
+        mix_beta=alpha if aligns else None,
     )
     return FedAlgorithm(
         name=name,
         local_tx=tx,
         start=start.Global(compression=svd_ratio) if momentum_aggregation else start.Reset(),
-        corrections=Corrections(global_direction=alpha > 0),
+        corrections=Corrections(global_direction=aligns),
         paper="FedMuon (Liu et al.) Alg. 2",
     )
 

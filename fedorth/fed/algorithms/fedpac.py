@@ -81,8 +81,10 @@ def fedpac(
       light_ratio: upload ``Theta`` with this fraction of the rank (the ``_light`` variants).
       server_lr: ``gamma`` of Alg. 3 (``x <- x - gamma g_G``); ``None`` averages (Alg. 2).
     """
-    if not 0.0 <= beta <= 1.0:
+    concrete = federated.is_concrete(beta)  # else a sweep's traced value: always corrects
+    if concrete and not 0.0 <= beta <= 1.0:
         raise ValueError(f"fed.beta={beta} must lie in [0, 1].")
+    corrects = not concrete or beta > 0
     if aligned not in ALIGNED:
         raise ValueError(f"fed.options.aligned={aligned!r}; valid: {ALIGNED}.")
     opt, weight_decay, hp = local.split_optim(optim)
@@ -96,7 +98,7 @@ def fedpac(
     tx = local.local_tx(
         local.direction(opt, **hp),
         weight_decay=local.decay_rates(opt, weight_decay, hp),
-        mix_beta=beta if beta > 0 else None,
+        mix_beta=beta if corrects else None,
     )
     return FedAlgorithm(
         name=name,
@@ -106,7 +108,7 @@ def fedpac(
         )
         if align
         else start.Reset(),
-        corrections=Corrections(global_direction=beta > 0),
+        corrections=Corrections(global_direction=corrects),
         server=update.ServerUpdate(rule=update.global_step_or_mean(server_lr)),
         paper="FedPAC (Liu et al.) Alg. 2/3",
     )
