@@ -16,7 +16,7 @@ Hessian refresh every 10 steps: ``presets.FEDPAC_OPTIM["sophia"]`` says why rho 
 The digits default runs clients one after another (``fed.strategy="sequential"``): each device
 keeps its own step count, so under ``vmap`` the Hessian refresh branch becomes a select and the
 Hutchinson estimate is taken at every step; sequentially it is taken every ``update_interval``
-steps (same numbers, less work on a CPU). The seed presets batch clients (``"vmap"``).
+steps (same numbers, less work on a CPU). The papers' presets batch clients (``"vmap"``).
 """
 
 import ml_collections

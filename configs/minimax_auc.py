@@ -19,8 +19,8 @@ with 8 clients, full participation, batch 64, the RNN of Fed minimax (Zhang & Ga
 hidden 4096, output 2) under Eq. 20's loss with ``p`` the (pooled) positive ratio, "beta fixed
 at 0.9" read as momentum 0.9 on the old average, i.e. beta = 0.1 on the new gradient (the
 reading of both Zhang & Gao papers, fedorth.fed.algorithms.fedmuon_zg), and tau = 0.1
-(FedSGDA-Clip). Choices where the seed is silent: 20000-word vocabulary and 64 tokens
-(fedorth's TFDS text defaults), 1000 rounds evaluated every 20, learning rate 0.01 (the seed
+(FedSGDA-Clip). Choices where the paper is silent: 20000-word vocabulary and 64 tokens
+(fedorth's TFDS text defaults), 1000 rounds evaluated every 20, learning rate 0.01 (the paper
 tunes it in [1e-3, 1e-1]; the configs' value is a starting point), eta_y = eta_x, server steps
 that average the clients' models.
 """

@@ -2,7 +2,7 @@
 
 Each :class:`Table` names its methods (a config of ``configs/`` each), its columns (the paper
 preset of each column, and what the column changes at ``--scale small`` on the embedded data),
-the seeds, and the numbers the paper prints, transcribed from the paper with the table and row
+the random seeds, and the numbers the paper prints, transcribed with the table and row
 they come from (docs/PAPERS.md has the references). Where a paper shows a comparison as curves
 only, ``published`` is None and ``source`` names the figure: there is nothing to transcribe.
 """

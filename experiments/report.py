@@ -14,7 +14,7 @@ in ``seed`` are one group, and any other difference (a learning rate, K, ...) sp
 is named in the row's label. For each group the table gives, over its runs (seeds):
 
 * the final test accuracy (``test_auc`` when the runs log it) and test loss as mean ± std, in the
-  seeds' style (accuracy in %); std is the sample standard deviation (ddof = 1), omitted for a
+  papers' style (accuracy in %); std is the sample standard deviation (ddof = 1), omitted for a
   single run;
 * the round they are read at: the last evaluated round that every run of the group reached (an
   unfinished run does not bias the mean with an earlier round);

@@ -70,7 +70,7 @@ def cpu_section(rounds: int | None) -> dict:
 
 def _random_cifar100(config, seed):
     """Random inputs of CIFAR-100's shapes (the same for every seed, as the dataset is), split
-    into clients by the seed."""
+    into clients by each replica's seed."""
     import numpy as np
 
     from fedorth.data import make_federated

@@ -4,7 +4,7 @@
 ``workdir`` if there is one, runs the remaining rounds (one compiled call each), evaluates every
 ``eval_every`` rounds, and writes ``config.json``, ``run_info.json``, ``metrics.jsonl``,
 checkpoints and ``curves.png``. Running the same command again after a crash resumes, and ends
-with the same metrics as an uninterrupted run (rounds derive all randomness from the seed and the
+with the same metrics as an uninterrupted run (rounds derive all randomness from config.seed and the
 round index).
 
 Live outputs: ``metrics.jsonl`` starts with a round-0 row (the initial model's evaluation; no

@@ -36,10 +36,10 @@ Mapping onto the engine (:class:`fedorth.fed.FedAlgorithm`):
   ``sgd(gamma_x)`` on primal and ``sgd(gamma_y / dual_lr_ratio)`` on dual leaves, i.e.
   ``gamma_y / (p eta_y)`` on the dual.
 
-Choices where the seed is silent or ambiguous (stated once here, repeated where they act):
+Choices where the paper is silent or ambiguous (stated once here, repeated where they act):
 
 * ``||u||`` is the Euclidean norm of the **whole** primal vector (all primal leaves together; the
-  seed's ``x`` is one vector) and ``||v||`` of the whole dual vector (``norm_scope="variable"``);
+  paper's ``x`` is one vector) and ``||v||`` of the whole dual vector (``norm_scope="variable"``);
   ``norm_scope="leaf"`` normalizes each leaf on its own (layer-wise). ``u = 0`` gives a zero step.
 * FedMuon-DA orthogonalizes the leaves of Muon's default mask
   (``fedorth.optim.muon.default_muon_mask``, the mask of every Muon-based method: dense and conv
@@ -49,7 +49,7 @@ Choices where the seed is silent or ambiguous (stated once here, repeated where 
   ``P Q^T``); the other leaves, tables included, take the normalized step of Alg. 1 (grouped by
   variable as above).
 * ``u_{-1} = v_{-1} = 0`` and ``g_{-1} = g_{-1}^(n) = 0`` (the boxes give no initialization).
-* Under partial participation (``S < N``, outside the seed's analysis) ``g`` is the engine's
+* Under partial participation (``S < N``, outside the paper's analysis) ``g`` is the engine's
   SCAFFOLD-style running average over all clients' last ``g^(n)`` and the global momentum uses
   the mean ``g^(n)`` of the clients sampled this round.
 """
