@@ -241,6 +241,24 @@ DATASET_SOURCES = {
 }
 
 
+def apply_command_line_switches(config, config_flag) -> None:
+    """:func:`apply_switches` with the overrides of a ``--config`` flag (``flags.FLAGS["config"]``).
+
+    Prints each note; a refused switch prints its one line and exits with code 2.
+    """
+    from ml_collections import config_flags
+
+    overrides = config_flags.get_override_values(config_flag)
+    spec = config_flags.get_config_filename(config_flag)
+    try:
+        notes = apply_switches(config, overrides, spec)
+    except ConfigArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
+        print(note, file=sys.stderr)
+
+
 def _first_line(obj: Any) -> str:
     doc = (getattr(obj, "__doc__", None) or "").strip()
     return " ".join(doc.split("\n\n")[0].split()) if doc else ""

@@ -121,15 +121,8 @@ def main(argv):
             heartbeat_timeout_s=_HEARTBEAT.value,
         )
     config = _CONFIG.value
-    overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    spec = config_flags.get_config_filename(flags.FLAGS["config"])
-    try:  # switches of model, optimizer (and its learning rate) and algorithm
-        notes = catalog.apply_switches(config, overrides, spec)
-    except ConfigArgumentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    for note in notes:
-        print(note, file=sys.stderr)
+    # switches of model, optimizer (and its learning rate) and algorithm
+    catalog.apply_command_line_switches(config, flags.FLAGS["config"])
     try:
         train.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except train.USER_ERRORS as e:  # bad input: the message says what to do, no traceback

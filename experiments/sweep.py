@@ -79,15 +79,8 @@ def main(argv):
         with config.unlocked():
             del config["sweep"]
     values.update(_GRID)
-    overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    spec = config_flags.get_config_filename(flags.FLAGS["config"])
-    try:  # switches of model, optimizer (and its learning rate) and algorithm, as a run's
-        notes = catalog.apply_switches(config, overrides, spec)
-    except ConfigArgumentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    for note in notes:
-        print(note, file=sys.stderr)
+    # switches of model, optimizer (and its learning rate) and algorithm, as a run's
+    catalog.apply_command_line_switches(config, flags.FLAGS["config"])
     try:
         grid = Grid(config, values)
         run_sweep(
