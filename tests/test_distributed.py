@@ -210,6 +210,50 @@ def test_a_lost_process_stops_the_other_in_seconds_with_one_line(tmp_path, victi
     assert elapsed < 20, f"process {survivor} took {elapsed:.0f} s to stop"
 
 
+# JAX 0.10's fatal records, as its coordination client logs them before it aborts (the stacks cut).
+_TERMINATING = (
+    "F1126 10:31:22.940790   28791 client.h:80] Terminating process because the JAX distributed "
+    "service detected fatal errors. This most likely indicates that another task died; see the "
+    "other task logs for more details. Disable Python buffering, i.e. `python -u`, to be sure to "
+    "see all the previous output. absl::Status: "
+)
+_STACK = "*** Check failure stack trace: ***\n    @     0x7f1ac4440634  absl::LogMessage::Flush()\n"
+
+
+@pytest.mark.parametrize(
+    "status, me, lost",
+    [
+        (  # the coordinator's view of two silent processes
+            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\n2\n"
+            "The tasks have crashed. Check the task logs for an earlier error, or scheduler events "
+            "(e.g. preemption, eviction) to debug further.\n\nRPC: /xla.coordination."
+            "CoordinationService/PollForError [type.googleapis.com/tensorflow."
+            "CoordinationServiceError='']\n",
+            0,
+            [1, 2],
+        ),
+        (  # a process whose heartbeat the silent coordinator no longer answers
+            "DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/"
+            "Heartbeat\n",
+            1,
+            [0],
+        ),
+        (  # another error: the polling RPC failed, naming nobody
+            "UNAVAILABLE: Socket closed\n\nRPC: /xla.coordination.CoordinationService/"
+            "PollForError\n",
+            1,
+            [],
+        ),
+    ],
+    ids=["unhealthy_tasks", "coordinator_silent", "names_nobody"],
+)
+def test_the_processes_jax_fatal_record_names_lost(status, me, lost):
+    """The abort handler's second witness, beside the stamped counters: JAX's heartbeat can abort
+    before a silent process's counter has stood still for long enough. If JAX rewords these
+    records, the silent-process case of the lost-process test fails too (exit 134)."""
+    assert distributed.lost_in_record(_TERMINATING + status + _STACK, me) == lost
+
+
 @pytest.mark.slow
 def test_process_i_writes_its_files_apart_and_shares_the_checkpoints(tmp_path, monkeypatch):
     """As process 1 of several: config.json, run_info.json and metrics.jsonl go to

@@ -13,7 +13,11 @@ JAX's abort (a fatal log record, a C++ stack, Python's thread dump: 70-90 lines)
 a C-level SIGABRT handler, and the fatal record by a filter on file descriptor 2. Which process
 is lost: each process stamps a counter in the coordinator's key-value store twice a second and
 reads the others'; a process whose counter stood still for ``_SILENT_S`` is dead, and when the
-coordinator no longer accepts connections, it is.
+coordinator no longer accepts connections, it is. JAX's heartbeat can abort before a silent
+process's counter has stood still that long (a process's heartbeats and stamps are not in step,
+and a loaded machine delays either), so the abort handler also takes the processes that JAX's
+fatal record names: those that stopped sending heartbeats, or the coordinator when this
+process's own heartbeat to it failed.
 """
 
 from __future__ import annotations
@@ -88,11 +92,31 @@ def exit_if_peers_lost() -> None:
 def _on_abort(signum: int) -> None:
     """SIGABRT, raised by JAX's error-polling thread (in it, while gRPC waits on it: no RPC)."""
     liveness = _Liveness.instance
-    dead = liveness.dead_processes(wait=False) if liveness else []
-    if dead:
-        _exit(liveness.message(dead), 1)
-    # Another fatal error: what the filter held back explains it.
-    _exit(_StderrFilter.held_back(), 134)
+    record = _StderrFilter.held_back()  # JAX's fatal record, written before it aborted
+    if liveness is not None:
+        named = [i for i in lost_in_record(record, liveness.me) if i in liveness.names]
+        dead = sorted({*liveness.dead_processes(wait=False), *named})
+        if dead:
+            _exit(liveness.message(dead), 1)
+    # Another fatal error: the record explains it.
+    _exit(record, 134)
+
+
+# The coordination service's verdict, one task id a line: "... unhealthy (stopped sending
+# heartbeats):\n1\n2\nThe tasks have crashed ...".
+_UNHEALTHY = re.compile(r"stopped sending heartbeats\):\n((?:\d+\n)+)")
+# This process's heartbeat to the coordination service got no answer: the coordinator is lost.
+_OWN_HEARTBEAT_FAILED = re.compile(r"RPC: /xla\.coordination\.CoordinationService/Heartbeat\b")
+
+
+def lost_in_record(record: str, me: int) -> list[int]:
+    """The processes that JAX's fatal record (the text its coordination client logs before it
+    aborts) says are lost: the tasks that stopped sending heartbeats, or the coordinator
+    (process 0) when this process ``me`` could not send its own heartbeat to it."""
+    lost = [int(i) for found in _UNHEALTHY.findall(record) for i in found.split()]
+    if me != 0 and _OWN_HEARTBEAT_FAILED.search(record):
+        lost.append(0)
+    return sorted(set(lost) - {me})
 
 
 _EXITING = threading.Lock()
