@@ -139,3 +139,23 @@ def test_host_calls_run_on_every_device_of_a_shard_map_at_once():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok", "2"], proc.stdout
+
+
+def test_states_refreshed_on_the_host_are_found_by_their_mark():
+    """The engine asks ``state_refreshed_on_host`` whether a local optimizer's state is refreshed
+    through these host calls (to keep a CPU round off the sharded strategy when they cannot
+    shard): SOAP's state, also inside a chain, yes; Adam's and Muon's, no."""
+    import optax
+
+    from fedorth.optim import muon, soap
+
+    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    chained = optax.chain(optax.add_decayed_weights(0.1), soap(learning_rate=0.1))
+    for tx, expected in [
+        (soap(learning_rate=0.1), True),
+        (chained, True),
+        (optax.adam(0.1), False),
+        (muon(learning_rate=0.1), False),
+    ]:
+        state = jax.eval_shape(tx.init, params)
+        assert linalg.state_refreshed_on_host(state) is expected, tx

@@ -202,8 +202,9 @@ def run_clients(
 
 def calls_host_lapack(algorithm: FedAlgorithm) -> bool:
     """Whether the algorithm's rounds may run ``fedorth.optim.linalg`` (host LAPACK on CPU) in a
-    form that cannot be sharded over CPU devices: SOAP states (QR/eigh refreshes, FedPAC's server
-    bases) or low-rank state compression (SVD), when ``linalg.HOST_CALLS_SHARD`` is False.
+    form that cannot be sharded over CPU devices: a local state refreshed on the host (SOAP's
+    QR/eigh, FedPAC's server bases; ``linalg.state_refreshed_on_host``) or low-rank state
+    compression (SVD), when ``linalg.HOST_CALLS_SHARD`` is False.
 
     With ``jax.pure_callback`` (the fallback there) a FedPAC_SOAP round sharded over 2 CPU devices
     on 2 cores hung: both XLA:CPU pool threads inside the callbacks, each waiting in
@@ -212,16 +213,13 @@ def calls_host_lapack(algorithm: FedAlgorithm) -> bool:
     ``device_put`` and shards.
     """
     from fedorth.optim import linalg
-    from fedorth.optim.soap import SoapState
 
     if linalg.HOST_CALLS_SHARD:
         return False
     if getattr(algorithm.start, "compression", None) is not None:
         return True
     probe = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-    state = jax.eval_shape(algorithm.local_tx.init, probe)
-    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, SoapState))
-    return any(isinstance(x, SoapState) for x in nodes)
+    return linalg.state_refreshed_on_host(jax.eval_shape(algorithm.local_tx.init, probe))
 
 
 def fixed_strategy(algorithm: FedAlgorithm, loss_fn: Callable, config: RoundConfig) -> RoundConfig:

@@ -209,3 +209,17 @@ def svd(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cpu=lambda x: _host(_np_svd, shapes, x),
         default=lambda x: tuple(jnp.linalg.svd(x, full_matrices=False)),
     )
+
+
+def state_refreshed_on_host(state) -> bool:
+    """Whether an optimizer state marks itself as refreshed through this module's host calls.
+
+    A state class says so with a class attribute ``HOST_LAPACK = True``
+    (:class:`fedorth.optim.soap.SoapState`: its eigenbases are refreshed by QR/eigh); the round
+    engine asks this, never for a particular optimizer, to choose a strategy on CPU.
+    """
+
+    def marked(node) -> bool:
+        return bool(getattr(type(node), "HOST_LAPACK", False))
+
+    return any(marked(node) for node in jax.tree.leaves(state, is_leaf=marked))

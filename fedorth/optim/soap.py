@@ -80,6 +80,10 @@ class SoapState(NamedTuple):
     (:func:`average_soap_states`), never average ``Q``.
     """
 
+    # Refreshed through fedorth.optim.linalg's host LAPACK calls on CPU (QR/eigh of GG):
+    # read by linalg.state_refreshed_on_host.
+    HOST_LAPACK = True
+
     count: jax.Array  # shape=(), int32: calls so far; shared schedule counter
     exp_avg: PyTree  # first moment, in the rotated basis (merged shape with merge_dims)
     exp_avg_sq: PyTree  # second moment, in the rotated basis
