@@ -242,8 +242,9 @@ def _small(config, rounds=2):
     return config
 
 
-# Every AUC config's default preset runs two rounds through fedorth.train.run, with test_auc in
-# every metrics.jsonl row: tests/test_configs.py::test_default_preset_runs_two_rounds.
+# Every AUC config's default preset trains two rounds (tests/test_configs.py::
+# test_default_preset_trains_two_rounds), and a run of one through fedorth.train.run writes
+# test_auc in every metrics.jsonl row (test_a_default_run_writes_the_outputs_of_the_contract).
 
 
 def test_eval_fn_reports_exact_test_auc():
