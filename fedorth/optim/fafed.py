@@ -47,8 +47,8 @@ fedorth does not have: ``ext = 1``). It differs at round boundaries:
   iterate (``model_`` is not reset), ``g(x-bar) + (1 - alpha)(u-bar - g(x_i^{K-1}))``. fedorth
   does the same (``start.Global.keep``): with ``x-bar`` there, that step would be
   ``a g(x-bar) + (1 - a) u-bar``, without the correction (with one local step per round, no
-  variance reduction at all). tests/test_baseline_sources.py transcribes the
-  loop and checks the engine against it;
+  variance reduction at all). tests/test_baselines.py (test_fafed_matches_the_reference_loop)
+  transcribes the loop and checks the engine against it;
 * its run starts with one communication (``m_0``, ``v_0`` the means of the clients' first
   gradients and of their squares, one plain SGD step ``x_1 = x_0 - lr m_0`` before round 1's own
   steps). fedorth does the same (rather than per-client ``u_0 = g_0``, ``v_0 =

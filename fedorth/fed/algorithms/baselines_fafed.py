@@ -22,9 +22,9 @@ Sources: the paper's box could not be read; two implementations were compared li
 line (naya0000/FaFed ``code/Image/FAFED.py`` at fd3e4c1, probably the authors' code, and the
 third-party port DadrasAli/fedbrew at 06e91b6). Both agree with the local recursion, keep a
 per-client previous iterate across rounds and start with one averaging of the clients' first
-gradients, as fedorth does (tests/test_baseline_sources.py transcribes the first
-one's loop); they disagree with each other at communication, where fedorth follows the first
-(:mod:`fedorth.optim.fafed`, docs/FIDELITY.md).
+gradients, as fedorth does (tests/test_baselines.py::test_fafed_matches_the_reference_loop
+transcribes the first one's loop); they disagree with each other at communication, where
+fedorth follows the first (:mod:`fedorth.optim.fafed`, docs/FIDELITY.md).
 """
 
 from __future__ import annotations
