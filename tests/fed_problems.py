@@ -12,6 +12,7 @@ NumPy re-implementation of an algorithm box can follow the engine step by step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -74,10 +75,18 @@ def np_newton_schulz(u, steps, coeffs=(15 / 8, -5 / 4, 3 / 8), eps=1e-7):
     return x.T if tall else x
 
 
-def sampled_ids(key, round_index, num_clients, clients_per_round):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _sampled_ids(key, round_index, num_clients, clients_per_round):
     from fedorth.fed.round import sample_clients
 
-    return np.asarray(sample_clients(key, round_index, num_clients, clients_per_round)[1])
+    return sample_clients(key, round_index, num_clients, clients_per_round)[1]
+
+
+def sampled_ids(key, round_index, num_clients, clients_per_round):
+    """The ids ``fed.round.sample_clients`` draws for round ``round_index`` (one compiled
+    program per ``(num_clients, clients_per_round)``; integer key arithmetic, the same ids as
+    op-by-op)."""
+    return np.asarray(_sampled_ids(key, round_index, num_clients, clients_per_round))
 
 
 def zero_params() -> dict:
@@ -108,10 +117,12 @@ def start_rounds(
     key: int = 0,
     loss_fn=loss_fn,
     batch_fn=batch_fn,
+    **round_options,
 ) -> Rounds:
     """``fed.init_server`` (server key ``jax.random.key(key)``) and ``fed.make_round_fn`` of
     ``algorithm`` on ``loss_fn``/``batch_fn`` (default: the quadratic clients above), from
-    ``params`` (default :func:`zero_params`) and ``model_state`` (default none: ``{}``)."""
+    ``params`` (default :func:`zero_params`) and ``model_state`` (default none: ``{}``);
+    ``round_options``: further fields of ``fed.RoundConfig`` (e.g. ``spectral_drift``)."""
     config = fed.RoundConfig(
         num_clients=num_clients,
         clients_per_round=clients_per_round,
@@ -119,6 +130,7 @@ def start_rounds(
         learning_rate=learning_rate,
         strategy=strategy,
         chunk_size=chunk_size,
+        **round_options,
     )
     params = zero_params() if params is None else params
     server = fed.init_server(

@@ -9,13 +9,15 @@ float64 NumPy, here with partial participation (``S < N``): the sampled ids come
 engine's ``sample_clients``.
 """
 
+import functools
+
+import fed_problems as fp
 import jax
 import numpy as np
 import pytest
 
 from fedorth import fed
 from fedorth.theory.minimax_toy import make_minimax_toy
-from tests.fed_problems import sampled_ids
 
 N, S, K, R = 5, 3, 3, 3
 LR, RATIO, GAMMA_X, GAMMA_Y = 0.07, 1.5, 0.8, 0.6
@@ -40,26 +42,34 @@ def _algorithm():
     )
 
 
-def _round_fn(strategy, *, local_steps=K):
-    """The F-SAGDA round of the engine (compiled on its first call)."""
-    config = fed.RoundConfig(
+def _start(local_steps=K):
+    """The server state at ``_x0`` and the engine's F-SAGDA round (sequential, the CPU's
+    default), ``fed_problems.start_rounds`` on the toy (float64 under the ``x64`` fixture)."""
+    toy = _toy()
+    return fp.start_rounds(
+        _algorithm(),
         num_clients=N,
         clients_per_round=S,
         local_steps=local_steps,
         learning_rate=LR,
-        strategy=strategy,
-        chunk_size=2 if strategy == "chunked" else None,
+        params=toy.init_params(*_x0(toy)),
+        strategy="sequential",
+        loss_fn=toy.loss_fn,
+        batch_fn=toy.batch_fn,
     )
-    return fed.make_round_fn(_algorithm(), _toy().loss_fn, _toy().batch_fn, config)
 
 
-def _engine(round_fn, x0, y0, *, rounds=R, data=None):
-    """``rounds`` rounds from ``(x0, y0)`` in float64 (call inside ``enable_x64``)."""
-    toy = _toy()
-    server = fed.init_server(
-        _algorithm(), toy.init_params(x0, y0), {}, num_clients=N, key=jax.random.key(0)
-    )
-    data = toy.data() if data is None else data
+@functools.cache
+def _round_fn(local_steps=K):
+    """The round, built once per ``local_steps`` and shared by the tests: compiled once."""
+    return _start(local_steps).round_fn
+
+
+def _engine(local_steps=K, *, rounds=R, data=None):
+    """The server state after ``rounds`` rounds from ``_x0`` (a fresh state each time: the
+    round donates its input)."""
+    server, round_fn = _start(local_steps).server, _round_fn(local_steps)
+    data = _toy().data() if data is None else data
     for _ in range(rounds):
         server, _ = round_fn(server, data)
     assert round_fn._cache_size() == 1, "one compiled call serves every round"
@@ -71,7 +81,7 @@ def _np_box(toy, x0, y0, key, *, rounds=R, k=K):
     x, y = x0.copy(), y0.copy()
     ey = RATIO * LR
     for t in range(rounds):
-        ids = sampled_ids(jax.random.key(key), t, N, S)
+        ids = fp.sampled_ids(jax.random.key(key), t, N, S)
         # Stage 1: the sampled clients' gradients at the server point, and their mean v.
         q = {i: toy.client_grads(i, x, y) for i in ids}
         vx = np.mean([q[i][0] for i in ids], 0)
@@ -89,26 +99,22 @@ def _np_box(toy, x0, y0, key, *, rounds=R, k=K):
     return x, y
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["sequential", "vmap", "chunked", pytest.param("sharded", marks=pytest.mark.cpu_devices)],
-)
-def test_f_sagda_matches_numpy_box_with_partial_participation(strategy):
-    """The engine follows the float64 box over 3 rounds of S = 3 of N = 5 clients in every
-    strategy (chunks of 2 with a remainder; sharded over the 3 of the 8 fake CPU devices that
-    divide S, where v is all-reduced), so the strategies agree with each other to 2e-13."""
+def test_f_sagda_matches_numpy_box_with_partial_participation(x64):
+    """The engine follows the float64 box over 3 rounds of S = 3 of N = 5 clients (the CPU's
+    default strategy, sequential). tests/test_fed_golden.py runs F-SAGDA under vmap, chunked,
+    sequential and sharded (where v is all-reduced over the devices), requires the strategies to
+    agree at float32 rounding and each to keep its recorded bits."""
     toy = _toy()
     x0, y0 = _x0(toy)
     x, y = _np_box(toy, x0, y0, key=0)
-    with jax.enable_x64(True):
-        server = _engine(_round_fn(strategy), x0, y0)
+    server = _engine()
     np.testing.assert_allclose(server.params["x"], x, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(server.params["dual"]["y"], y, rtol=1e-13, atol=1e-14)
     # Nothing is kept per client: no persistent states, no server control variate.
     assert server.clients is None and server.control is None
 
 
-def test_prepass_is_at_the_server_point_over_the_sampled_clients_only():
+def test_prepass_is_at_the_server_point_over_the_sampled_clients_only(x64):
     """With K = 1 and exact gradients, the local direction g_i(x_t) - q_i + v is v itself, so a
     round is one GDA step along the mean gradient of the sampled clients at (x_t, y_t):
     x+ = x - gamma_x eta_x v_x (this checks that q_i is taken at the server point). A client
@@ -116,30 +122,26 @@ def test_prepass_is_at_the_server_point_over_the_sampled_clients_only():
     (K = 1 and K = 3)."""
     toy = _toy()
     x0, y0 = _x0(toy)
-    ids = sampled_ids(jax.random.key(0), 0, N, S)
+    ids = fp.sampled_ids(jax.random.key(0), 0, N, S)
     others = np.asarray(sorted(set(range(N)) - set(ids.tolist())))
     vx = np.mean([toy.client_grads(i, x0, y0)[0] for i in ids], 0)
     vy = np.mean([toy.client_grads(i, x0, y0)[1] for i in ids], 0)
     v_all = np.mean([toy.client_grads(i, x0, y0)[0] for i in range(N)], 0)
-    with jax.enable_x64(True):
-        data = toy.data()
-        changed = dict(data)
-        changed["B"] = data["B"].at[others].multiply(-3.0)
-        changed["c"] = data["c"].at[others].add(5.0)
-        for local_steps in (1, K):
-            round_fn = _round_fn("sequential", local_steps=local_steps)
-            a = _engine(round_fn, x0, y0, rounds=1, data=data)
-            b = _engine(round_fn, x0, y0, rounds=1, data=changed)
-            for u, w in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-                np.testing.assert_array_equal(u, w)
-            if local_steps == 1:
-                x1, y1 = a.params["x"], a.params["dual"]["y"]
-                np.testing.assert_allclose(x1, x0 - GAMMA_X * LR * vx, rtol=1e-13, atol=1e-15)
-                np.testing.assert_allclose(
-                    y1, y0 + GAMMA_Y * RATIO * LR * vy, rtol=1e-13, atol=1e-15
-                )
-                # The mean over all N clients would give another step.
-                assert np.max(np.abs(x1 - (x0 - GAMMA_X * LR * v_all))) > 1e-3
+    data = toy.data()
+    changed = dict(data)
+    changed["B"] = data["B"].at[others].multiply(-3.0)
+    changed["c"] = data["c"].at[others].add(5.0)
+    for local_steps in (1, K):
+        a = _engine(local_steps, rounds=1, data=data)
+        b = _engine(local_steps, rounds=1, data=changed)
+        for u, w in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+            np.testing.assert_array_equal(u, w)
+        if local_steps == 1:
+            x1, y1 = a.params["x"], a.params["dual"]["y"]
+            np.testing.assert_allclose(x1, x0 - GAMMA_X * LR * vx, rtol=1e-13, atol=1e-15)
+            np.testing.assert_allclose(y1, y0 + GAMMA_Y * RATIO * LR * vy, rtol=1e-13, atol=1e-15)
+            # The mean over all N clients would give another step.
+            assert np.max(np.abs(x1 - (x0 - GAMMA_X * LR * v_all))) > 1e-3
 
 
 def test_f_sagda_communication():
@@ -164,7 +166,7 @@ def test_prepass_floats_needs_a_prepass():
 
 
 @pytest.mark.parametrize("per_client", [True, False])
-def test_prepass_per_client_hands_out_the_own_results_only_when_asked(per_client):
+def test_prepass_per_client_hands_out_the_own_results_only_when_asked(x64, per_client):
     """``Prepass(per_client=False)`` (FAFED's start): the local optimizer gets the sampled
     clients' mean only, and the engine stacks nothing per client; the mean is the same."""
     import optax
@@ -186,16 +188,21 @@ def test_prepass_per_client_hands_out_the_own_results_only_when_asked(per_client
         ),
     )
     toy = _toy()
-    config = fed.RoundConfig(num_clients=N, clients_per_round=S, local_steps=1, learning_rate=LR)
     x0, y0 = _x0(toy)
-    with jax.enable_x64(True):
-        round_fn = fed.make_round_fn(algorithm, toy.loss_fn, toy.batch_fn, config)
-        server = fed.init_server(
-            algorithm, toy.init_params(x0, y0), {}, num_clients=N, key=jax.random.key(0)
-        )
-        server, _ = round_fn(server, toy.data())
-        ids = sampled_ids(jax.random.key(0), 0, N, S)
-        gx, gy = (np.mean([toy.client_grads(i, x0, y0)[j] for i in ids], 0) for j in (0, 1))
+    server, _ = fp.run_rounds(
+        algorithm,
+        toy.data(),
+        rounds=1,
+        num_clients=N,
+        clients_per_round=S,
+        local_steps=1,
+        learning_rate=LR,
+        params=toy.init_params(x0, y0),
+        loss_fn=toy.loss_fn,
+        batch_fn=toy.batch_fn,
+    )
+    ids = fp.sampled_ids(jax.random.key(0), 0, N, S)
+    gx, gy = (np.mean([toy.client_grads(i, x0, y0)[j] for i in ids], 0) for j in (0, 1))
     assert seen == ({"q", "q_mean"} if per_client else {"q_mean"})
     # One step of this optimizer along the mean of the sampled clients' gradients (both
     # variables descend: no ascent transform in this test's optimizer).

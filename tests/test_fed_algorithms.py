@@ -12,37 +12,16 @@ N, S, K, R = 5, 3, 3, 4
 LR = 0.05
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
-def _run(
-    alg,
-    data,
-    *,
-    rounds=R,
-    clients_per_round=S,
-    local_steps=K,
-    lr=LR,
-    params=None,
-    num_clients=N,
-    key=0,
-):
-    params = params or {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-    config = fed.RoundConfig(
-        num_clients=num_clients,
-        clients_per_round=clients_per_round,
-        local_steps=local_steps,
-        learning_rate=lr,
+def _run(alg, data, *, rounds=R, clients_per_round=S, local_steps=K, lr=LR, num_clients=N, **kw):
+    """The server state after ``rounds`` rounds (fed_problems.run_rounds) and the last metrics."""
+    settings = dict(num_clients=num_clients, clients_per_round=clients_per_round)
+    server, history = fp.run_rounds(
+        alg, data, rounds=rounds, local_steps=local_steps, learning_rate=lr, **settings, **kw
     )
-    server = fed.init_server(alg, params, {}, num_clients=num_clients, key=jax.random.key(key))
-    round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
-    jdata = jax.tree.map(jnp.asarray, data)
-    for _ in range(rounds):
-        server, metrics = round_fn(server, jdata)
-    return server, metrics
+    return server, history[-1]
 
 
 def test_fedavg_k1_full_participation_is_gradient_descent():
@@ -94,11 +73,14 @@ def test_scaffold_matches_numpy_option_ii():
         np.testing.assert_allclose(server.clients.control["w"][i], ci[i][0], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "norm,steps", [("spectral", 5), ("spectral", 0), ("sign", 0), ("frobenius", 0)]
-)
+@pytest.mark.parametrize("norm,steps", [("spectral", 5), ("sign", 0)])
 def test_fedmuon_bc_matches_numpy_alg1(norm, steps):
-    """FedMuon-LMO Alg. 1: persistent M_i, C_i <- M_i, lmo(M_i - C_i + C), X <- (n-S)/n X + ..."""
+    """FedMuon-LMO Alg. 1: persistent M_i, C_i <- M_i, lmo(M_i - C_i + C), X <- (n-S)/n X + ...
+
+    The norm only chooses the direction function inside the local optimizer; the round around
+    it is the same. Each direction (spectral with 0 and 5 steps, frobenius, sign) is checked
+    against NumPy by tests/test_muon.py::test_lmo_directions_match_numpy; here the spectral
+    LMO and the sign LMO (no normalization) run through the round."""
     alpha, other = 0.3, 0.5
     data = fp.quadratic_clients(N, seed=2)
     alg = fed.get_algorithm(

@@ -45,21 +45,19 @@ def _diagonal_clients(seed: int = 3):
     }
 
 
-def _engine(name: str, optim: dict, data, **options):
-    """Params, global direction and per-round metrics after ROUNDS rounds (vmap, float64)."""
-    alg = fed.get_algorithm(name, optim, beta=BETA, **options)
-    config = fed.RoundConfig(
-        num_clients=N, clients_per_round=S, local_steps=K, learning_rate=LR, strategy="vmap"
+def _x0():
+    return {"w": jnp.asarray(X0[0]), "b": jnp.asarray(X0[1])}
+
+
+def _engine(name: str, optim: dict, data, strategy: str = "vmap", **options):
+    """Params, global direction and per-round metrics after ROUNDS rounds (float64 under the
+    ``x64`` fixture)."""
+    alg = fed.get_algorithm(name, optim, **options)
+    settings = dict(num_clients=N, clients_per_round=S, local_steps=K, learning_rate=LR)
+    server, history = fp.run_rounds(
+        alg, data, rounds=ROUNDS, params=_x0(), strategy=strategy, **settings
     )
-    params = {"w": jnp.asarray(X0[0]), "b": jnp.asarray(X0[1])}
-    server = fed.init_server(alg, params, {}, num_clients=N, key=jax.random.key(0))
-    round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
-    jdata = jax.tree.map(jnp.asarray, data)
-    metrics = []
-    for _ in range(ROUNDS):
-        server, m = round_fn(server, jdata)
-        metrics.append({k: float(v) for k, v in m.items()})
-    return server, metrics
+    return server, [{k: float(v) for k, v in m.items()} for m in history]
 
 
 def _fedpac(data, client_round, server_average, state0):
@@ -159,25 +157,24 @@ def _np_sophia(data, aligned: str):
 
 
 @pytest.mark.parametrize("aligned", ["theta", "state"])
-def test_fedpac_sophia_matches_alg2_with_alg9(aligned):
+def test_fedpac_sophia_matches_alg2_with_alg9(x64, aligned):
     """FedPAC_Sophia, 3 rounds of 3 of 4 clients, K = 3, f_h = 2: params, g_G and the logged
     preconditioner drift (Eq. 7 over h, the streamed path) equal the NumPy transcription to
     ~1e-12. ``"theta"``: h averaged, m from zero each round; ``"state"``: m averaged too. The
     two differ (m's warm start matters), so each transcription pins its own mode; ``"state"``
     also gives the old code path's params (``GOLDEN``)."""
     data = _diagonal_clients()
-    with jax.enable_x64(True):
-        server, metrics = _engine("fedpac_sophia", SOPHIA, data, aligned=aligned)
-        if aligned == "state":
-            _check_golden("fedpac_sophia", server)
-        (w, b), (dg_w, _), drifts = _np_sophia(data, aligned)
-        np.testing.assert_allclose(server.params["w"], w, rtol=1e-12, atol=1e-13)
-        np.testing.assert_allclose(server.params["b"], b, rtol=1e-12, atol=1e-13)
-        np.testing.assert_allclose(server.global_direction["w"], dg_w, rtol=1e-11, atol=1e-12)
-        got = [m["precond_drift"] for m in metrics]
-        np.testing.assert_allclose(got, drifts, rtol=1e-10, atol=1e-15)
-        other = _np_sophia(data, "state" if aligned == "theta" else "theta")[0][0]
-        assert np.max(np.abs(other - w)) > 1e-4, "the modes must differ on this problem"
+    server, metrics = _engine("fedpac_sophia", SOPHIA, data, beta=BETA, aligned=aligned)
+    if aligned == "state":
+        _check_golden("fedpac_sophia", server)
+    (w, b), (dg_w, _), drifts = _np_sophia(data, aligned)
+    np.testing.assert_allclose(server.params["w"], w, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(server.params["b"], b, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(server.global_direction["w"], dg_w, rtol=1e-11, atol=1e-12)
+    got = [m["precond_drift"] for m in metrics]
+    np.testing.assert_allclose(got, drifts, rtol=1e-10, atol=1e-15)
+    other = _np_sophia(data, "state" if aligned == "theta" else "theta")[0][0]
+    assert np.max(np.abs(other - w)) > 1e-4, "the modes must differ on this problem"
 
 
 # ----------------------------------------------------------------------------- SOAP
@@ -254,7 +251,7 @@ def _np_soap(data, aligned: str):
 
 
 @pytest.mark.parametrize("aligned", ["theta", "state"])
-def test_fedpac_soap_matches_alg2_with_alg5(aligned):
+def test_fedpac_soap_matches_alg2_with_alg5(x64, aligned):
     """FedPAC_SOAP, 3 rounds of 3 of 4 clients, K = 3, f = 4 (refreshes at global steps 4 and
     8, inside rounds 1 and 2): params, g_G and the drift (Eq. 7 over L, R; the stacked path of
     SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged, Q rebuilt
@@ -265,25 +262,24 @@ def test_fedpac_soap_matches_alg2_with_alg5(aligned):
     (``GOLDEN``).
     """
     data = _diagonal_clients()
-    with jax.enable_x64(True):
-        server, metrics = _engine("fedpac_soap", SOAP, data, aligned=aligned)
-        if aligned == "state":
-            _check_golden("fedpac_soap", server)
-        (w, b), (dg_w, _), drifts = _np_soap(data, aligned)
-        np.testing.assert_allclose(server.params["w"], w, rtol=1e-11, atol=1e-12)
-        np.testing.assert_allclose(server.params["b"], b, rtol=1e-11, atol=1e-12)
-        np.testing.assert_allclose(server.global_direction["w"], dg_w, rtol=1e-10, atol=1e-11)
-        got = [m["precond_drift"] for m in metrics]
-        # The stacked path's drift is summed in float32 (fed.metrics.preconditioner_drift).
-        np.testing.assert_allclose(got, drifts, rtol=1e-6)
-        (soap_state,) = [
-            x
-            for x in jax.tree.leaves(server.opt_state, is_leaf=lambda x: isinstance(x, SoapState))
-            if isinstance(x, SoapState)
-        ]
-        assert int(soap_state.count) == ROUNDS * K  # the shared counter runs over rounds
-        other = _np_soap(data, "state" if aligned == "theta" else "theta")[0][0]
-        assert np.max(np.abs(other - w)) > 1e-4, "the modes must differ on this problem"
+    server, metrics = _engine("fedpac_soap", SOAP, data, beta=BETA, aligned=aligned)
+    if aligned == "state":
+        _check_golden("fedpac_soap", server)
+    (w, b), (dg_w, _), drifts = _np_soap(data, aligned)
+    np.testing.assert_allclose(server.params["w"], w, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(server.params["b"], b, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(server.global_direction["w"], dg_w, rtol=1e-10, atol=1e-11)
+    got = [m["precond_drift"] for m in metrics]
+    # The stacked path's drift is summed in float32 (fed.metrics.preconditioner_drift).
+    np.testing.assert_allclose(got, drifts, rtol=1e-6)
+    (soap_state,) = [
+        x
+        for x in jax.tree.leaves(server.opt_state, is_leaf=lambda x: isinstance(x, SoapState))
+        if isinstance(x, SoapState)
+    ]
+    assert int(soap_state.count) == ROUNDS * K  # the shared counter runs over rounds
+    other = _np_soap(data, "state" if aligned == "theta" else "theta")[0][0]
+    assert np.max(np.abs(other - w)) > 1e-4, "the modes must differ on this problem"
 
 
 def test_light_upload_compresses_theta_only():
@@ -300,7 +296,9 @@ def test_light_upload_compresses_theta_only():
             lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if x.ndim else x,
             alg.local_tx.init(params)[0],  # the SoapState of the local chain
         )
-        out = _compress_state(state, alg.start.compression, alg.start.mask)
+        # Jitted: one program instead of op-by-op dispatch; a leaf passed through keeps its bits.
+        compress = jax.jit(lambda st: _compress_state(st, alg.start.compression, alg.start.mask))
+        out = compress(state)
         for a, b in zip(jax.tree.leaves(out.Q), jax.tree.leaves(state.Q), strict=True):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(jax.tree.leaves(out.GG), jax.tree.leaves(state.GG), strict=True):
@@ -366,12 +364,14 @@ def test_every_fedpac_preset_names_what_it_aligns(name):
         config.fed.options.aligned = "state"  # the override the command line performs
 
 
-@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
-def test_local_soap_and_fedpac_soap_take_the_same_update_free_steps(strategy, monkeypatch):
+def test_local_soap_and_fedpac_soap_take_the_same_update_free_steps(monkeypatch):
     """Local SOAP and Θ-only FedPAC_SOAP take the same number of update-free steps: one per
     client per round (the reference's first call, which builds Q by eigh; the authors' code
     does it on every round's first step for both methods), so both take K - 1 Adam steps per
-    round. Counted on the directions SOAP returns in the engine (all-zero = update-free)."""
+    round. Counted on the directions SOAP returns in the engine (all-zero = update-free), with
+    the CPU's default strategy (sequential): tests/test_fed_golden.py requires both algorithms'
+    rounds to agree at float32 rounding under vmap, chunked, sequential and sharded, which an
+    extra or a missing update-free step would break."""
     from fedorth.fed import local
     from fedorth.optim.soap import scale_by_soap
 
@@ -388,19 +388,11 @@ def test_local_soap_and_fedpac_soap_take_the_same_update_free_steps(strategy, mo
         return optax.chain(scale_by_soap(**kwargs), recorder)
 
     monkeypatch.setitem(local.DIRECTIONS, "soap", recorded_soap)
-    data = jax.tree.map(jnp.asarray, _diagonal_clients())
+    data = _diagonal_clients()
     free = {}
     for name, options in [("local_soap", {}), ("fedpac_soap", {"beta": BETA})]:
         calls.clear()
-        alg = fed.get_algorithm(name, SOAP, **options)
-        config = fed.RoundConfig(
-            num_clients=N, clients_per_round=S, local_steps=K, learning_rate=LR, strategy=strategy
-        )
-        params = {"w": jnp.asarray(X0[0]), "b": jnp.asarray(X0[1])}
-        server = fed.init_server(alg, params, {}, num_clients=N, key=jax.random.key(0))
-        round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
-        for _ in range(ROUNDS):
-            server, _ = round_fn(server, data)
+        _engine(name, SOAP, data, "sequential", **options)
         jax.effects_barrier()
         assert len(calls) == ROUNDS * S * K, (name, len(calls))
         free[name] = sum(calls)
