@@ -111,12 +111,41 @@ def check_converges(
     return final
 
 
+class JitUpdate:
+    """``fast_jit(tx.update)`` (with the extra arguments), counting its traces: the battery's
+    checks share one compiled update instead of compiling the same program once each."""
+
+    def __init__(self, tx, extra: dict):
+        self.traces = 0
+
+        def update(g, s, p):
+            self.traces += 1
+            return tx.update(g, s, p, **extra)
+
+        self.fn = fast_jit(update)
+
+    def __call__(self, g, s, p):
+        return self.fn(g, s, p)
+
+
+def _update_jit(tx, extra, update_jit: JitUpdate | None) -> JitUpdate:
+    return JitUpdate(tx, extra) if update_jit is None else update_jit
+
+
 def check_jit(
-    tx, params, grads_seq: Sequence[Any], *, extra_args_fn=None, loss_fn=None, rtol=1e-5, atol=1e-6
+    tx,
+    params,
+    grads_seq: Sequence[Any],
+    *,
+    extra_args_fn=None,
+    loss_fn=None,
+    rtol=1e-5,
+    atol=1e-6,
+    update_jit: JitUpdate | None = None,
 ):
     """jit(update) runs, is finite, and equals the eager update over `grads_seq`."""
     extra = _extra(extra_args_fn, loss_fn)
-    update_jit = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_jit = _update_jit(tx, extra, update_jit)
     s_eager = s_jit = tx.init(params)
     for t, g in enumerate(grads_seq):
         u_eager, s_eager = tx.update(g, s_eager, params, **extra)
@@ -128,13 +157,15 @@ def check_jit(
         _assert_trees_close(u_jit, u_eager, rtol=rtol, atol=atol, what=f"jit vs eager step {t}")
 
 
-def check_shapes_dtypes(tx, params, grads_seq, *, extra_args_fn=None, loss_fn=None):
+def check_shapes_dtypes(
+    tx, params, grads_seq, *, extra_args_fn=None, loss_fn=None, update_jit: JitUpdate | None = None
+):
     """Updates keep each gradient leaf's shape and dtype; the state keeps structure/shape/dtype."""
     extra = _extra(extra_args_fn, loss_fn)
     state = tx.init(params)
     spec = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
     state_spec = spec(state)
-    update_jit = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_jit = _update_jit(tx, extra, update_jit)
     for t, g in enumerate(grads_seq):
         u, state = update_jit(g, state, params)
         assert spec(u) == spec(g), f"step {t}: update shapes/dtypes {spec(u)} != grads {spec(g)}"
@@ -144,22 +175,20 @@ def check_shapes_dtypes(tx, params, grads_seq, *, extra_args_fn=None, loss_fn=No
         )
 
 
-def check_no_recompile(tx, params, grads_seq, *, extra_args_fn=None, loss_fn=None):
-    """A jitted update traces once: later calls, fed the previous state, hit the cache."""
+def check_no_recompile(
+    tx, params, grads_seq, *, extra_args_fn=None, loss_fn=None, update_jit: JitUpdate | None = None
+):
+    """A jitted update traces once: later calls, fed the previous state, hit the cache. With a
+    shared ``update_jit``, once over all the calls it served (all fed these shapes)."""
     extra = _extra(extra_args_fn, loss_fn)
-    traces = 0
-
-    def update(g, s, p):
-        nonlocal traces
-        traces += 1
-        return tx.update(g, s, p, **extra)
-
-    update_jit = fast_jit(update)
+    update_jit = _update_jit(tx, extra, update_jit)
     state = tx.init(params)
     for g in grads_seq:
         _, state = update_jit(g, state, params)
     assert len(grads_seq) >= 2, "give at least two gradients"
-    assert traces == 1, f"update was traced {traces} times for {len(grads_seq)} calls (retracing)"
+    assert update_jit.traces == 1, (
+        f"update was traced {update_jit.traces} times for {len(grads_seq)} calls (retracing)"
+    )
 
 
 def _state_axes(state):
@@ -182,6 +211,7 @@ def check_vmap_matches_loop(
     loss_fn=None,
     rtol=1e-5,
     atol=1e-6,
+    update_jit: JitUpdate | None = None,
 ):
     """`jax.vmap(tx.init)`/`jax.vmap(tx.update)` over a leading client axis equals a loop.
 
@@ -194,7 +224,7 @@ def check_vmap_matches_loop(
     client = lambda tree, c: jax.tree.map(lambda x: x[c], tree)
 
     # The loop runs one client at a time through a jitted (unbatched) update.
-    update_one = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_one = _update_jit(tx, extra, update_jit)
     looped = []
     for c in range(num_clients):
         p = client(params_C, c)
@@ -232,14 +262,23 @@ def check_vmap_matches_loop(
 
 
 def check_clip_chain(
-    tx, params, grads_seq, *, max_norm=0.5, extra_args_fn=None, loss_fn=None, rtol=1e-5, atol=1e-6
+    tx,
+    params,
+    grads_seq,
+    *,
+    max_norm=0.5,
+    extra_args_fn=None,
+    loss_fn=None,
+    rtol=1e-5,
+    atol=1e-6,
+    update_jit: JitUpdate | None = None,
 ):
     """`chain(clip_by_global_norm(c), tx)` equals `tx` fed the clipped gradients."""
     extra = _extra(extra_args_fn, loss_fn)
     chained = optax.chain(optax.clip_by_global_norm(max_norm), tx)
     s_chain, s_ref = chained.init(params), tx.init(params)
     update_chain = fast_jit(lambda g, s, p: chained.update(g, s, p, **extra))
-    update_ref = fast_jit(lambda g, s, p: tx.update(g, s, p, **extra))
+    update_ref = _update_jit(tx, extra, update_jit)
     for t, g in enumerate(grads_seq):
         norm = optax.global_norm(g)
         clipped = jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / norm), g)
@@ -305,14 +344,19 @@ def run_battery(
     rtol=1e-5,
     atol=1e-6,
 ):
-    """jit, shapes/dtypes, no recompilation, vmap == loop (both counter modes), clip chain."""
+    """jit, shapes/dtypes, no recompilation, vmap == loop (both counter modes), clip chain.
+
+    The checks share one compiled unbatched update (``JitUpdate``), so "no recompilation" covers
+    every call made with ``params``' shapes: give ``params_C`` a client axis over those shapes."""
     kw = dict(extra_args_fn=extra_args_fn, loss_fn=loss_fn)
-    check_jit(tx, params, grads_seq, rtol=rtol, atol=atol, **kw)
-    check_shapes_dtypes(tx, params, grads_seq, **kw)
-    check_no_recompile(tx, params, grads_seq, **kw)
-    check_vmap_matches_loop(tx, params_C, grads_seq_C, rtol=rtol, atol=atol, **kw)
+    update_jit = JitUpdate(tx, _extra(extra_args_fn, loss_fn))
+    kw_jit = dict(kw, update_jit=update_jit)
+    check_jit(tx, params, grads_seq, rtol=rtol, atol=atol, **kw_jit)
+    check_shapes_dtypes(tx, params, grads_seq, **kw_jit)
+    check_no_recompile(tx, params, grads_seq, **kw_jit)
+    check_vmap_matches_loop(tx, params_C, grads_seq_C, rtol=rtol, atol=atol, **kw_jit)
     if shared_counters:
         check_vmap_matches_loop(
-            tx, params_C, grads_seq_C, shared_counters=True, rtol=rtol, atol=atol, **kw
+            tx, params_C, grads_seq_C, shared_counters=True, rtol=rtol, atol=atol, **kw_jit
         )
-    check_clip_chain(tx, params, grads_seq, rtol=rtol, atol=atol, **kw)
+    check_clip_chain(tx, params, grads_seq, rtol=rtol, atol=atol, **kw_jit)

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from helpers import fast_jit
 from optim_battery import (
     check_converges,
     check_inject_hyperparams,
@@ -17,12 +18,7 @@ from optim_battery import (
     matrix_rosenbrock,
     run_battery,
 )
-from test_newton_schulz import (  # noqa: F401  (float32_newton_schulz: an autouse fixture)
-    conditioned,
-    float32_newton_schulz,
-    np_newton_schulz,
-    polar,
-)
+from test_newton_schulz import conditioned, np_newton_schulz, polar
 
 from fedorth.optim import (
     default_muon_mask,
@@ -100,7 +96,7 @@ def test_scale_by_muon_matches_float64_numpy(nesterov, ema):
     grads_seq = random_tree(jax.random.key(0), SHAPES, num=4)
     tx = scale_by_muon(0.9, nesterov=nesterov, ema=ema)
     ref = np_muon(grads_seq, beta=0.9, nesterov=nesterov, ema=ema)
-    state, update = tx.init(grads_seq[0]), jax.jit(tx.update)
+    state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
     for t, grads in enumerate(grads_seq):
         updates, state = update(grads, state)
         for k in SHAPES:
@@ -119,8 +115,8 @@ def test_grouped_newton_schulz_equals_float64_numpy_per_leaf():
     every leaf equals its own float64 NumPy iteration, and the per-leaf path to round-off."""
     tree = random_tree(jax.random.key(7), GROUP_SHAPES, num=1)[0]
     tree["d"] = 100.0 * tree["d"]  # a different norm inside a group
-    grouped = jax.jit(lambda t: orthogonalize_tree(t, group_shapes=True))(tree)
-    single = jax.jit(lambda t: orthogonalize_tree(t, group_shapes=False))(tree)
+    grouped = fast_jit(lambda t: orthogonalize_tree(t, group_shapes=True))(tree)
+    single = fast_jit(lambda t: orthogonalize_tree(t, group_shapes=False))(tree)
     for k in GROUP_SHAPES:
         assert grouped[k].shape == GROUP_SHAPES[k]
         assert_rel_close(grouped[k], np_orthogonalize(tree[k], 5, "jordan", 1e-7), 2e-5, k)
@@ -132,7 +128,7 @@ def test_grouped_newton_schulz_equals_float64_numpy_per_leaf():
     assert (count(False), count(True)) == (5 * 5 * 3, 3 * 5 * 3)
     # Under vmap over clients (the engine's layout), each client's group is its own batch.
     clients = jax.tree.map(lambda x: jnp.stack([x, -2.0 * x]), tree)
-    batched = jax.jit(jax.vmap(lambda t: orthogonalize_tree(t, group_shapes=True)))(clients)
+    batched = fast_jit(jax.vmap(lambda t: orthogonalize_tree(t, group_shapes=True)))(clients)
     for k in GROUP_SHAPES:
         assert_rel_close(batched[k][1], -np_orthogonalize(tree[k], 5, "jordan", 1e-7), 2e-5, k)
 
@@ -142,7 +138,7 @@ def test_scale_by_muon_group_shapes_gives_the_same_updates():
     runs = {}
     for group in (False, True):
         tx = scale_by_muon(0.9, group_shapes=group)
-        state, update, outs = tx.init(grads_seq[0]), jax.jit(tx.update), []
+        state, update, outs = tx.init(grads_seq[0]), fast_jit(tx.update), []
         for grads in grads_seq:
             updates, state = update(grads, state)
             outs.append(updates)
@@ -170,7 +166,7 @@ def test_shape_scaling_and_conv_view(scaling):
         coeffs="polar_express",
         steps=6,
     )
-    state, update = tx.init(grads_seq[0]), jax.jit(tx.update)
+    state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
     for t, grads in enumerate(grads_seq):
         updates, state = update(grads, state)
         for k in SHAPES:
@@ -274,13 +270,13 @@ def test_muon_matrix_leaves_weight_decay_and_default_adamw_fallback():
     adam = optax.adamw(lr, weight_decay=0.0)
     vec = lambda tree: {k: tree[k] for k in ("bias", "scale")}
     state, adam_state = tx.init(params), adam.init(vec(params))
-    update = jax.jit(tx.update)
+    update, adam_update = fast_jit(tx.update), fast_jit(adam.update)
     for t, grads in enumerate(grads_seq):
         updates, state = update(grads, state, params)
         for k in ("dense", "conv"):
             expected = -lr * (ref[t][k] + wd * np.asarray(params[k], np.float64))
             assert_rel_close(updates[k], expected, 2e-5, f"step {t} {k}")
-        adam_updates, adam_state = jax.jit(adam.update)(vec(grads), adam_state, vec(params))
+        adam_updates, adam_state = adam_update(vec(grads), adam_state, vec(params))
         for k in ("bias", "scale"):
             np.testing.assert_allclose(updates[k], adam_updates[k], rtol=1e-6, err_msg=k)
         params = optax.apply_updates(params, updates)
@@ -295,7 +291,7 @@ def test_muon_mask_and_custom_fallback():
     mask_tree = {"embed": False, "dense": True, "bias": False}
     for mask in (mask_tree, lambda p: {k: k == "dense" for k in p}):
         tx = muon(0.1, fallback=optax.sgd(0.5), muon_mask=mask)
-        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        updates, _ = fast_jit(tx.update)(grads, tx.init(params), params)
         for k in ("embed", "bias"):
             np.testing.assert_allclose(updates[k], -0.5 * grads[k], rtol=1e-6, err_msg=k)
         ref = np_muon([{"dense": grads["dense"]}], beta=0.95, nesterov=True, ema=False)
@@ -303,7 +299,7 @@ def test_muon_mask_and_custom_fallback():
     # fallback_learning_rate sets the default AdamW's learning rate: the first Adam step is
     # −lr·g/(|g| + eps) ≈ −lr·sign(g).
     tx = muon(0.1, fallback_learning_rate=0.01)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = fast_jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["bias"], -0.01 * np.sign(grads["bias"]), rtol=1e-5)
 
 
@@ -388,7 +384,7 @@ def test_scale_by_muon_bfloat16_matches_float64_numpy_at_bfloat16_tolerance():
     grads_seq = random_tree(jax.random.key(21), SHAPES, num=3)
     tx = scale_by_muon(0.9, ns_dtype="bfloat16")
     ref = np_muon(grads_seq, beta=0.9, nesterov=True, ema=False)
-    state, update = tx.init(grads_seq[0]), jax.jit(tx.update)
+    state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
     for t, grads in enumerate(grads_seq):
         updates, state = update(grads, state)
         for k in SHAPES:
@@ -414,7 +410,7 @@ def test_svd_orthogonalizer_is_fedmuon_alg_2():
     grads_seq = random_tree(jax.random.key(22), SHAPES, num=3)
     ref = np_fedmuon_svd(grads_seq, 0.9)
     tx = scale_by_muon(0.9, nesterov=False, orthogonalizer="svd", shape_scaling="none")
-    state, update = tx.init(grads_seq[0]), jax.jit(tx.update)
+    state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
     for t, grads in enumerate(grads_seq):
         updates, state = update(grads, state)
         for k in SHAPES:
@@ -427,7 +423,7 @@ def test_svd_orthogonalizer_is_fedmuon_alg_2():
     # muon() passes it on: W ← W − η(UVᵀ + λW).
     params = random_tree(jax.random.key(23), SHAPES)[0]
     full = muon(0.1, beta=0.9, nesterov=False, orthogonalizer="svd", shape_scaling="none")
-    updates, _ = jax.jit(full.update)(grads_seq[0], full.init(params), params)
+    updates, _ = fast_jit(full.update)(grads_seq[0], full.init(params), params)
     for k in SHAPES:
         assert_rel_close(updates[k], -0.1 * ref[0][k], 1e-5, f"muon svd {k}")
 
@@ -452,11 +448,11 @@ def test_default_muon_mask_sends_degenerate_matrices_to_the_fallback():
     grads = {k: jnp.asarray(rng.standard_normal(v), jnp.float32) for k, v in shapes.items()}
     lr = 0.05
     tx = muon(lr, beta=0.9, ns_steps=2)  # the mask is under test, not the iteration
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    updates, _ = fast_jit(tx.update)(grads, tx.init(params), params)
     fallback = [k for k, use in expected.items() if not use]
     adam = optax.adamw(lr, weight_decay=0.0)
     sub = lambda t: {k: t[k] for k in fallback}
-    adam_updates, _ = jax.jit(adam.update)(sub(grads), adam.init(sub(params)), sub(params))
+    adam_updates, _ = fast_jit(adam.update)(sub(grads), adam.init(sub(params)), sub(params))
     for k in fallback:
         np.testing.assert_allclose(updates[k], adam_updates[k], rtol=1e-6, err_msg=k)
     ref = np_muon(
@@ -501,9 +497,9 @@ def test_default_muon_mask_sends_lookup_tables_to_the_fallback():
     assert local.matrix_labels(params) == labels, "the engine's labels follow the same mask"
     lr = 0.05
     tx = muon(lr, beta=0.9, ns_steps=2)
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    updates, _ = fast_jit(tx.update)(grads, tx.init(params), params)
     adam = optax.adamw(lr, weight_decay=0.0)
-    adam_updates, _ = jax.jit(adam.update)(grads, adam.init(params), params)
+    adam_updates, _ = fast_jit(adam.update)(grads, adam.init(params), params)
     # Adam's first step is -lr * sign(g) (up to eps): the tables take it; the kernels do not.
     for path in (
         ("embed", "embedding"),
@@ -612,7 +608,7 @@ def test_lmo_wrapper_momentum_matches_fedmuon_lmo_rule():
     params = random_tree(jax.random.key(11), shapes)[0]
     alpha, lr = 0.1, 0.05
     tx = lmo(lr, norm="spectral", momentum=1 - alpha, ns_steps=3)
-    state, update = tx.init(params), jax.jit(tx.update)
+    state, update = tx.init(params), fast_jit(tx.update)
     m = {k: np.zeros(s) for k, s in shapes.items()}
     for t, g in enumerate(grads_seq):
         updates, state = update(g, state, params)
@@ -812,7 +808,7 @@ def test_muon_direction_momentum_sgd_fallback_matches_numpy(ema, nesterov):
         fallback="momentum_sgd",
         fallback_lr_ratio=ratio,
     )
-    state, update = tx.init(params), jax.jit(tx.update)
+    state, update = tx.init(params), fast_jit(tx.update)
     w = 1 - beta if ema else 1.0
     m = {k: np.zeros(shapes[k]) for k in ("b", "cls")}
     for t, g in enumerate(grads_seq):
@@ -872,12 +868,9 @@ def test_local_muon_bias_follows_adamw_decaying_at_the_adamw_rate():
     b0 = np.array([1.0, -2.0, 0.5])
     with jax.enable_x64(True):
         alg = fed.get_algorithm("local_muon", optim)
-        config = fed.RoundConfig(
-            num_clients=1, clients_per_round=1, local_steps=steps, learning_rate=lr
-        )
         params = {"w": jnp.zeros((4, 3)), "b": jnp.asarray(b0)}
-        server = fed.init_server(alg, params, {}, num_clients=1, key=jax.random.key(0))
-        round_fn = fed.make_round_fn(alg, fp.loss_fn, fp.batch_fn, config)
+        settings = dict(num_clients=1, clients_per_round=1, local_steps=steps, learning_rate=lr)
+        server, round_fn, _ = fp.start_rounds(alg, params=params, **settings)
         jdata = jax.tree.map(jnp.asarray, data)
         trajectory = []
         for _ in range(rounds):

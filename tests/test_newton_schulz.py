@@ -2,7 +2,6 @@
 
 import contextlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +22,10 @@ from fedorth.optim.newton_schulz import (
     resolve_ns_dtype,
 )
 
-_DEFAULT_NS_DTYPE = default_ns_dtype  # the real rule, before the fixture below pins it
-# The module (fedorth.optim re-exports a function of the same name).
-ns_module = sys.modules["fedorth.optim.newton_schulz"]
-
-
-@pytest.fixture(autouse=True)
-def float32_newton_schulz(monkeypatch):
-    """Pins 'auto' to float32 on every platform: the tests here compare with float64 NumPy at
-    float32 round-off (2e-5), and on a GPU 'auto' means bfloat16 (about 3e-2 from the exact
-    iteration, tested at its own tolerance below, with dtype="bfloat16" passed explicitly)."""
-    monkeypatch.setattr(ns_module, "default_ns_dtype", lambda platform=None: "float32")
+# The real rule, before tests/conftest.py's autouse fixture pins "auto" to float32 in every test
+# (here the comparisons with float64 NumPy are at float32 round-off, 2e-5; the bfloat16 path is
+# tested below with dtype="bfloat16" passed explicitly, at its own tolerance).
+_DEFAULT_NS_DTYPE = default_ns_dtype
 
 
 PRESETS = sorted(NS_PRESETS)

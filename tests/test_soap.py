@@ -346,7 +346,7 @@ def test_matches_reference_step_for_step(case):
                     q * signs, q_ref, rtol=0, atol=1e-8, err_msg=f"{case}/{k} Q"
                 )
             # First moment in the original space is basis-free; second moment is sign-free.
-            mu = np.asarray(project_back(state.exp_avg[k], qs)).reshape(shapes[k])
+            mu = np.asarray(jax.jit(project_back)(state.exp_avg[k], qs)).reshape(shapes[k])
             mu_ref = ref.project_back(st["exp_avg"], st)
             np.testing.assert_allclose(mu, mu_ref, rtol=RTOL, atol=ATOL, err_msg=f"{case}/{k} m")
             np.testing.assert_allclose(
@@ -436,6 +436,7 @@ def test_soap_equals_reference_without_decay_and_documented_decay_difference():
     names = list(shapes)
     grads = gradient_sequence(3, shapes, 8)
     lr, wd = 0.1, 0.3
+    apply = jax.jit(optax.apply_updates)
     with jax.enable_x64(True):
         x = {k: jnp.asarray(np.random.default_rng(4).normal(size=s)) for k, s in shapes.items()}
         for decay in (0.0, wd):
@@ -443,14 +444,16 @@ def test_soap_equals_reference_without_decay_and_documented_decay_difference():
             dir_tx = scale_by_soap(precondition_frequency=2)
             state, dir_state = tx.init(x), dir_tx.init(x)
             assert isinstance(state[0], SoapState)
+            # Jitted (one program each, not op-by-op dispatch); float64 far above rounding.
+            update, dir_update = jax.jit(tx.update), jax.jit(dir_tx.update)
             ref = RefSOAP(list(x.values()), lr=lr, weight_decay=decay, precondition_frequency=2)
             for t, g in enumerate(grads):
                 gj = {k: jnp.asarray(v) for k, v in g.items()}
                 ref.params = [np.asarray(x[k]) for k in names]  # the state ignores params
                 ref_new = ref.step([g[k] for k in names])
-                u, state = tx.update(gj, state, x)
-                d, dir_state = dir_tx.update(gj, dir_state)
-                new = optax.apply_updates(x, u)
+                u, state = update(gj, state, x)
+                d, dir_state = dir_update(gj, dir_state)
+                new = apply(x, u)
                 for k, r in zip(names, ref_new, strict=True):
                     xk, dk = np.asarray(x[k]), np.asarray(d[k])
                     np.testing.assert_allclose(
@@ -580,17 +583,18 @@ def test_average_soap_states_rule():
         assert isinstance(avg, SoapState)
         assert int(avg.count) == int(state_C.count)
         assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count)
+        back = jax.jit(project_back)  # one program per leaf, not op-by-op dispatch
         for k in shapes:
             mu_back_C = [
                 np.asarray(
-                    project_back(
+                    back(
                         state_C.exp_avg[k][c],
                         tuple(None if q is None else q[c] for q in state_C.Q[k]),
                     )
                 )
                 for c in range(3)
             ]
-            mu_back = np.asarray(project_back(avg.exp_avg[k], avg.Q[k]))
+            mu_back = np.asarray(back(avg.exp_avg[k], avg.Q[k]))
             np.testing.assert_allclose(mu_back, np.mean(mu_back_C, axis=0), rtol=1e-12, atol=1e-14)
             np.testing.assert_allclose(
                 np.asarray(avg.exp_avg_sq[k]),
@@ -609,7 +613,7 @@ def test_average_soap_states_rule():
                 np.testing.assert_allclose(d, np.diag(np.diag(d)), atol=1e-12)
                 assert np.all(np.diff(np.diag(d)) <= 1e-12), "eigenvalues must be descending"
         # The registered rule and the direct call agree; a stacked count is accepted too.
-        direct = average_soap_states(state_C._replace(count=jnp.full(3, state_C.count)))
+        direct = jax.jit(average_soap_states)(state_C._replace(count=jnp.full(3, state_C.count)))
         for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(avg), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
 
@@ -624,11 +628,17 @@ def test_average_of_identical_states_preserves_the_direction():
         # count and moment_count are shared
         one = SoapState(state_C.count, *map(first_client, state_C[1:-1]), state_C.moment_count)
         # Make Q the eigh basis of GG (as the rule rebuilds it), moving m with it.
-        qs = {k: tuple(None if gg is None else eigenbasis(gg) for gg in one.GG[k]) for k in shapes}
-        mus = {k: project(project_back(one.exp_avg[k], one.Q[k]), qs[k]) for k in shapes}
+        # Jitted: one program each instead of op-by-op dispatch.
+        qs = {
+            k: tuple(None if gg is None else jax.jit(eigenbasis)(gg) for gg in one.GG[k])
+            for k in shapes
+        }
+        move = jax.jit(lambda m, q_old, q_new: project(project_back(m, q_old), q_new))
+        mus = {k: move(one.exp_avg[k], one.Q[k], qs[k]) for k in shapes}
         one = one._replace(Q=qs, exp_avg=mus)
         stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 4), tree)
-        avg = average_soap_states(SoapState(one.count, *map(stack, one[1:-1]), one.moment_count))
+        stacked = SoapState(one.count, *map(stack, one[1:-1]), one.moment_count)
+        avg = jax.jit(average_soap_states)(stacked)
         for k in shapes:  # the rebuilt bases equal the original ones up to column signs
             for q_avg, q in zip(avg.Q[k], one.Q[k], strict=True):
                 if q is not None:
