@@ -4,6 +4,17 @@ is reproducible.
 The error messages a user sees are listed in docs/ERRORS.md, generated from the cases of this file:
 ``python tests/test_reliability.py`` rewrites it, and ``test_errors_doc_is_current`` fails when
 the doc and the messages drift apart.
+
+Compilation, not training, is most of these tests' time, and they run few distinct programs (the
+tiny FedAvg config, the small FedPAC_SOAP one) many times. In this process every program goes to
+the suite's persistent compilation cache (:func:`cache_every_program`), so each ``train.run`` of
+a config already run gets its round and evaluation from it. The command-line runs of the tiny
+config share a cache folder of their own (:func:`cli_env`), filled by the reference run
+:func:`tiny_reference`: JAX writes a cache entry non-atomically, so a process killed while
+writing one would leave a partial entry that later processes warn about; every process here that
+is killed (SIGKILL, a second Ctrl-C) runs only programs of the reference run, which ran to its
+end, and only reads the folder. The FedPAC_SOAP runs get no such folder: their rounds call host
+LAPACK, which the persistent cache does not keep.
 """
 
 from __future__ import annotations
@@ -40,6 +51,37 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "ERRORS.md"
 _UNPATCHED_BUILD = builders.build
 
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_every_program():
+    """Every program this module compiles goes to the suite's persistent compilation cache
+    (tests/conftest.py keeps only those that took 0.5 s or more; the tiny config's round and
+    evaluation take less, and each ``train.run`` would compile them again). The suite's own
+    folder only; restored after the module."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or not pathlib.Path(folder).name.startswith("fedorth-xla-cache-"):
+        yield
+        return
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of this module's command-line runs: a persistent compilation cache folder
+    of their own, every program cached (see the module docstring for who may write to it)."""
+    folder = tmp_path_factory.mktemp("cli_compilation_cache")
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(folder),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs: tiny, so that every run here compiles and trains in seconds on 2 CPU cores.
 
@@ -68,7 +110,8 @@ def apply(config, overrides: dict):
 
 
 # The CLI run of the crash test: configs/fedpac_soap.py (SOAP local steps with QR/eigh basis
-# refreshes, averaged optimizer state) with small overrides; the same values in Python below.
+# refreshes, averaged optimizer state) with small overrides (one dense layer: the model is not
+# what is tested); the same values in Python below.
 SOAP_OVERRIDES = {
     "data.num_clients": 4,
     "fed.clients_per_round": 2,
@@ -76,7 +119,7 @@ SOAP_OVERRIDES = {
     "fed.rounds": 8,
     "checkpoint_every": 1,
     "eval_every": 1,
-    "model.hidden_sizes": (16,),
+    "model.hidden_sizes": (),
     "optim.precondition_frequency": 2,
 }
 SOAP_ARGS = [f"--config.{k}={v}".replace(" ", "") for k, v in SOAP_OVERRIDES.items()]
@@ -382,6 +425,8 @@ def soap_reference(tmp_path_factory):
 
 
 def test_sigkill_then_same_command_resumes_and_matches_uninterrupted_run(tmp_path, soap_reference):
+    """The SOAP processes get no compilation cache folder: their rounds call host LAPACK, which
+    JAX's persistent cache does not keep, and the killed one would be the first writer."""
     workdir = tmp_path / "killed"
     command = cli(workdir, *SOAP_ARGS)
     with open(tmp_path / "first.log", "w") as log:
@@ -435,9 +480,12 @@ def corrupt(step_dir: pathlib.Path, mode: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_reference(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("tiny_reference")
-    train.run(tiny_config(), workdir)
+def tiny_reference(tmp_path_factory, cli_env):
+    """``tiny_config()`` run by its command (``TINY_ARGS``, 4 rounds, a checkpoint every round);
+    it fills ``cli_env``'s cache with the programs of the tiny config's run from its start."""
+    workdir = tmp_path_factory.mktemp("tiny_reference") / "w"
+    out = run_tiny_cli(workdir, "--config.fed.rounds=4", "--config.checkpoint_every=1", env=cli_env)
+    assert out.returncode == 0, out.stderr[-3000:]
     return workdir
 
 
@@ -618,19 +666,19 @@ TINY_ARGS = [
     "--config.model.hidden_sizes=16,",
     "--config.eval_every=1",
 ]
-# The scenario's run: checkpoints every 2 rounds, so that rows exist past the newest one; 30
+# The scenario's run: checkpoints every 2 rounds, so that rows exist past the newest one; 12
 # rounds leave time to stop it mid-run (it is frozen with SIGSTOP as soon as it gets there).
-SCENARIO = {"fed.rounds": 30, "checkpoint_every": 2}
-SCENARIO_ARGS = [*TINY_ARGS, "--config.fed.rounds=30", "--config.checkpoint_every=2"]
+SCENARIO = {"fed.rounds": 12, "checkpoint_every": 2}
+SCENARIO_ARGS = [*TINY_ARGS, "--config.fed.rounds=12", "--config.checkpoint_every=2"]
 
 
 def tiny_cli(workdir, *args: str) -> list[str]:
     return [sys.executable, "-m", "experiments.main", *TINY_ARGS, f"--workdir={workdir}", *args]
 
 
-def run_tiny_cli(workdir, *args: str) -> subprocess.CompletedProcess:
+def run_tiny_cli(workdir, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        tiny_cli(workdir, *args), cwd=REPO, capture_output=True, text=True, timeout=600
+        tiny_cli(workdir, *args), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
 
 
@@ -664,7 +712,7 @@ def scenario_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stopped_runs(tmp_path_factory):
+def stopped_runs(tmp_path_factory, cli_env, tiny_reference):
     """One workdir, ``--workdir=~/run`` with HOME in a temporary folder, four processes:
 
     1. runs until TensorBoard holds a round newer than the newest checkpoint, then is frozen
@@ -677,7 +725,7 @@ def stopped_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stopped_runs")
     home = tmp / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home)}
+    env = {**cli_env, "HOME": str(home)}
     workdir = home / "run"
     command = [sys.executable, "-m", "experiments.main", *SCENARIO_ARGS, "--workdir=~/run"]
     out = {"workdir": workdir, "cwd": tmp}
@@ -825,10 +873,10 @@ def test_a_closed_output_does_not_stop_the_run(stopped_runs):
     assert rounds_in(stopped_runs["workdir"])[-1] == SCENARIO["fed.rounds"]
 
 
-def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path):
+def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path, cli_env, tiny_reference):
     workdir = tmp_path / "w"
     command = tiny_cli(workdir, "--config.fed.rounds=200", "--config.checkpoint_every=50")
-    proc = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, env=cli_env, stderr=subprocess.PIPE, text=True)
     seen = False
     try:
         wait_for(lambda: len(rounds_in(workdir)) > 2, proc, "round 2")
@@ -1057,10 +1105,10 @@ def test_incomplete_newest_checkpoint_is_skipped_in_one_line(tmp_path, caplog, t
 
 
 @_ORBAX_DAMAGED_READ_NOISE
-def test_cli_corrupted_checkpoint_fallback_is_one_line(tmp_path, tiny_reference):
+def test_cli_corrupted_checkpoint_fallback_is_one_line(tmp_path, tiny_reference, cli_env):
     workdir = copy_of(tiny_reference, tmp_path)
     corrupt(workdir / "checkpoints" / "4", "truncate")
-    out = run_tiny_cli(workdir, "--config.fed.rounds=4", "--config.checkpoint_every=1")
+    out = run_tiny_cli(workdir, "--config.fed.rounds=4", "--config.checkpoint_every=1", env=cli_env)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if line and not line.startswith("[")]
     assert len(lines) == 3, out.stderr  # the fallback, "Resumed from round 3", "Finished"
@@ -1095,7 +1143,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
 
 
-def test_full_disk_is_one_line_naming_file_space_and_last_checkpoint(small_disk, tiny_reference):
+def test_full_disk_is_one_line_naming_file_space_and_last_checkpoint(
+    small_disk, tiny_reference, cli_env
+):
     """A finished 4-round run extended to 6 on a disk with room for its rows but not for a
     checkpoint: one line names the checkpoint that could not be written, the space, and the
     intact checkpoint 4."""
@@ -1104,7 +1154,7 @@ def test_full_disk_is_one_line_naming_file_space_and_last_checkpoint(small_disk,
     shutil.rmtree(workdir / "checkpoints" / "2")  # room for the run's small files only
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(bytes(max(free - 16_000, 0)))
-    out = run_tiny_cli(workdir, "--config.fed.rounds=6", "--config.checkpoint_every=1")
+    out = run_tiny_cli(workdir, "--config.fed.rounds=6", "--config.checkpoint_every=1", env=cli_env)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]

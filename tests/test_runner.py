@@ -5,14 +5,22 @@ The main job is ``python -m experiments.main --config=configs/fedpac_soap.py``; 
 in-process for its first 10 rounds (same trajectory as the full run: the learning rate is
 constant). The full default (30 rounds, seed 42) ends at test accuracy 0.969 (measured with this
 commit on 2 CPU cores; rounds 10/20/30: 0.908/0.942/0.969).
+
+The other runs use small models (a one-layer MLP, a one-convolution CNN): what they test is the
+runner (checkpoints, resumption, workdirs, live outputs), and their time is mostly compilation.
+Every program goes to the suite's persistent compilation cache
+(``test_reliability.cache_every_program``), so the second and later ``train.run`` of a config
+(a stopped run's resumption, a rerun) reuse the first one's executables.
 """
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
 
 import ml_collections
 import pytest
+from test_reliability import cache_every_program  # noqa: F401  (a module-scoped fixture)
 
 from fedorth import train
 from fedorth.train import builders, loop
@@ -62,13 +70,13 @@ class Wrapped:
         return getattr(self._round_fn, name)
 
 
-def patch_round_fn(monkeypatch, *, stop_after: int | None = None) -> list[int]:
-    """Wraps the built round function: records the round it starts from, raises ``Stop`` once
-    ``stop_after`` rounds are done. Returns the list of recorded rounds."""
+def patch_round_fn(monkeypatch, *, stop_after: int | None = None, build=_BUILD) -> list[int]:
+    """Wraps the round function of ``build``'s experiments: records the round it starts from,
+    raises ``Stop`` once ``stop_after`` rounds are done. Returns the list of recorded rounds."""
     calls: list[int] = []
 
     def patched_build(config):
-        experiment = _BUILD(config)
+        experiment = dataclasses.replace(build(config))  # a copy: build may hand out a shared one
         round_fn = experiment.round_fn
 
         def before(server):
@@ -81,6 +89,29 @@ def patch_round_fn(monkeypatch, *, stop_after: int | None = None) -> list[int]:
 
     monkeypatch.setattr(loop.builders, "build", patched_build)
     return calls
+
+
+def shared_builds(monkeypatch):
+    """Makes the test's ``train.run`` calls with equal configs share one built experiment (data,
+    model, jitted round); returns that builder.
+
+    A stopped run is resumed by a fresh process, which builds and compiles the same programs
+    again; XLA compiles a program to the same executable every time, and these tests are about
+    what the runner does around the rounds (checkpoints, rows, resumption), so the resumed runs
+    here reuse the first build's compiled round. The persistent compilation cache cannot serve
+    them instead: it does not keep programs with host callbacks, and SOAP's rounds call host
+    LAPACK (fedorth.optim.linalg). Each run still starts from its own ``init_server`` and its
+    own checkpoints (the round copies the state it donates, fedorth.fed.server)."""
+    built = {}
+
+    def build(config):
+        key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+        if key not in built:
+            built[key] = _BUILD(config)
+        return built[key]
+
+    monkeypatch.setattr(loop.builders, "build", build)
+    return build
 
 
 def test_main_job_learns_digits(tmp_path):
@@ -105,8 +136,9 @@ def test_main_job_learns_digits(tmp_path):
 
 
 def _small(name: str, *, rounds: int = 7):
-    """6 clients, 3 per round, K = 3. ``<config>_cnn``: a small CNN with 2 clients per round, so
-    that ``auto`` shards them over 2 of the 8 fake CPU devices."""
+    """6 clients, 3 per round, K = 3, an MLP without hidden layer. ``<config>_cnn``: a CNN of one
+    4-channel convolution with 2 clients per round, so that ``auto`` shards them over 2 of the
+    8 fake CPU devices."""
     config = get_config(name.removesuffix("_cnn"))
     config.data.num_clients = 6
     config.fed.clients_per_round = 3
@@ -114,11 +146,11 @@ def _small(name: str, *, rounds: int = 7):
     config.fed.rounds = rounds
     config.eval_every = 1
     config.checkpoint_every = 2
-    config.model.hidden_sizes = (32,)
+    config.model.hidden_sizes = ()
     if name.endswith("_cnn"):
         config.fed.clients_per_round = 2
         config.model = ml_collections.ConfigDict(
-            {"name": "cnn", "features": (8, 16), "dense_sizes": (16,)}
+            {"name": "cnn", "features": (4,), "dense_sizes": ()}
         )
     return config
 
@@ -140,20 +172,21 @@ def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
     records the strategy "auto" chose: sequential for the MLPs, sharded over 2 devices for the
     CNN (whose FedPAC_SOAP state and host eigh/QR then live on a mesh, checkpoint included)."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    build = shared_builds(monkeypatch)
     train.run(_small(name), straight)
     info = json.loads((straight / "run_info.json").read_text())
     sharded = name.endswith("_cnn")
     assert info["strategy"] == ("sharded" if sharded else "sequential"), info
     assert info["round_devices"] == (["cpu:0", "cpu:1"] if sharded else ["cpu:0"])
 
-    calls = patch_round_fn(monkeypatch, stop_after=5)
+    calls = patch_round_fn(monkeypatch, stop_after=5, build=build)
     with pytest.raises(Stop):
         train.run(_small(name), stopped)
     assert calls == [0, 1, 2, 3, 4]
     assert [row["round"] for row in read_rows(stopped)] == [0, 1, 2, 3, 4, 5]
     assert sorted(int(p.name) for p in (stopped / "checkpoints").iterdir()) == [2, 4]
 
-    calls = patch_round_fn(monkeypatch)
+    calls = patch_round_fn(monkeypatch, build=build)
     last = train.run(_small(name), stopped)
     assert calls == [4, 5, 6], "the second run must resume from the round-4 checkpoint"
     assert _without_wall(read_rows(stopped)) == _without_wall(read_rows(straight))
@@ -162,7 +195,7 @@ def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
     walls = [row["wall_s"] for row in read_rows(stopped)]
     assert walls == sorted(walls)
 
-    calls = patch_round_fn(monkeypatch)
+    calls = patch_round_fn(monkeypatch, build=build)
     assert train.run(_small(name), stopped) == last  # a finished run only re-reads its outputs
     assert calls == []
 
