@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import fast_jit
 
 from fedorth import fed
 from fedorth.fed import local
@@ -169,7 +168,7 @@ def test_local_soap_round_logs_eq7_drift_of_its_clients():
     factors = []
     tx = alg.local_tx
 
-    @fast_jit  # compared with the round's drift at rtol 1e-4, far above rounding
+    @jax.jit
     def client(i):
         p, state = params, tx.init(params)
         for _ in range(k):
