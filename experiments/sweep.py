@@ -16,8 +16,9 @@ Each replica writes an ordinary run folder ``WORKDIR/KEY=VALUE,.../`` (``config.
 ``metrics.jsonl``, ``curves.png``, TensorBoard), so ``python -m experiments.report WORKDIR``
 reads the sweep like separate runs; the sweep checkpoints all replicas as one
 (``WORKDIR/checkpoints``) and the same command resumes it. ``--replica_strategy``: ``auto``
-(sequential on CPU, vmap on accelerators), ``sequential`` (one compiled round, run once per
-replica) or ``vmap``; ``--replica_chunk_size`` bounds the replicas vmapped at once.
+(sequential on CPU; on an accelerator the faster of the two, timed on the first round),
+``sequential`` (one compiled round, run once per replica) or ``vmap``;
+``--replica_chunk_size`` bounds the replicas vmapped at once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ _STRATEGY = flags.DEFINE_enum(
     "replica_strategy",
     "auto",
     ["auto", "sequential", "vmap"],
-    "How replicas run: auto (sequential on CPU, vmap on accelerators), sequential, vmap.",
+    "How replicas run: auto (sequential on CPU; on an accelerator the faster of the two, "
+    "timed on the first round), sequential, vmap.",
 )
 _CHUNK = flags.DEFINE_integer(
     "replica_chunk_size", 0, "Replicas vmapped at once (0: all); lower it if memory runs out."

@@ -7,15 +7,13 @@ same client samples, mini-batches and dropout, round after round. Its traced hyp
 algorithm and the round are built from them (``fed.get_algorithm``, ``fed.make_round_fn``), so
 one compilation serves every value.
 
-Replica strategies (``replica_strategy``), like the clients' (``fed.strategy``):
+Replica strategies (``replica_strategy``), like the clients' (``fed.strategy``; ``"auto"``:
+:mod:`fedorth.sweep.strategy`, sequential on CPU, measured on an accelerator):
 
-* ``"sequential"``: one compiled round, called once per replica. On the CPU backend this is
-  what ``"auto"`` picks: XLA:CPU runs one replica's products on all cores, and vmapped
-  convolutions become grouped ones, which it runs slowly (docs/PERFORMANCE.md).
-* ``"vmap"``: ``jax.vmap`` over replicas (``"auto"`` on accelerators, where one run of a small
-  model leaves the device idle), in chunks of ``replica_chunk_size`` replicas (0: all) to bound
-  memory; a last chunk that is short is filled with copies of its last replica, so every chunk
-  runs the same compiled round.
+* ``"sequential"``: one compiled round, called once per replica.
+* ``"vmap"``: ``jax.vmap`` over replicas, in chunks of ``replica_chunk_size`` replicas (0: all)
+  to bound memory; a last chunk that is short is filled with copies of its last replica, so
+  every chunk runs the same compiled round.
 
 With ``"sequential"`` a replica's numbers are bit for bit those of its single run; vmapped,
 they agree to float32 rounding (batched products may sum in another order). Two exceptions,
@@ -33,6 +31,7 @@ changes no batch.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,12 +41,12 @@ import ml_collections
 import numpy as np
 
 from fedorth import fed
+from fedorth.sweep import strategy as strategy_lib
 from fedorth.sweep.grid import SweepError, replica_name, set_key
+from fedorth.sweep.strategy import REPLICA_STRATEGIES, resolve_replica_strategy  # noqa: F401
 from fedorth.train import builders
 
 PyTree = Any
-
-REPLICA_STRATEGIES = ("auto", "sequential", "vmap")
 
 _TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -55,15 +54,6 @@ _TRACER_ERRORS = (
     jax.errors.TracerIntegerConversionError,
     jax.errors.TracerArrayConversionError,
 )
-
-
-def resolve_replica_strategy(strategy: str) -> str:
-    """The replica strategy ``"auto"`` stands for: ``"sequential"`` on CPU, else ``"vmap"``."""
-    if strategy not in REPLICA_STRATEGIES:
-        raise SweepError(f"--replica_strategy={strategy!r}; valid: {REPLICA_STRATEGIES}.")
-    if strategy != "auto":
-        return strategy
-    return "sequential" if jax.default_backend() == "cpu" else "vmap"
 
 
 class _Section(dict):
@@ -97,10 +87,6 @@ def _same(a, b) -> bool:
     return bool(jnp.array_equal(a, b))
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
-
-
 @dataclasses.dataclass
 class Replica:
     """One replica: its grid values, its single run's config and built experiment."""
@@ -120,7 +106,7 @@ class ReplicaRound:
     :meth:`replica_state` reads one replica's state out of the units.
 
     Args:
-      config: the base config (``fed.rounds``, the algorithm, the model...).
+      configs: each replica's config (its single run's).
       replicas: one ``{key: value}`` per replica (``Grid.replicas``).
       traced_keys: the keys passed to the round as arrays (``Grid.traced_keys``).
       names: the replicas' names (their folders).
@@ -128,6 +114,12 @@ class ReplicaRound:
       chunk_size: replicas per vmapped chunk (0: all at once).
       build: builds a replica's experiment from its config (``builders.build``; a benchmark
         passes one on random data).
+      timer: the clock ``"auto"`` times the strategies with (tests pass a fake).
+
+    Attributes:
+      strategy: the replica strategy that runs (never ``"auto"``).
+      replica_selection: how ``"auto"`` chose it on an accelerator
+        (:func:`fedorth.sweep.strategy.measure_replica_strategies`), else None.
     """
 
     def __init__(
@@ -140,10 +132,11 @@ class ReplicaRound:
         strategy: str = "auto",
         chunk_size: int = 0,
         build: Callable[[ml_collections.ConfigDict], builders.Experiment] = builders.build,
+        timer: Callable[[], float] = time.perf_counter,
     ):
         if chunk_size < 0:
             raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
-        self.strategy = resolve_replica_strategy(strategy)
+        strategy_lib.check_replica_strategy(strategy)
         self.traced_keys = list(traced_keys)
         self.replicas: list[Replica] = []
         for name, values, config in zip(names, replicas, configs, strict=True):
@@ -165,21 +158,16 @@ class ReplicaRound:
         self.values = {
             key: np.asarray([r.values[key] for r in self.replicas], dtype) for key in traced_keys
         }
-        count = len(self.replicas)
-        self.chunk_size = count if self.strategy == "sequential" else (chunk_size or count)
-        self.chunk_size = min(self.chunk_size, count)
-        if self.strategy == "sequential":
-            self.units = [[i] for i in range(count)]
-            self._step = jax.jit(self._body, donate_argnums=(0,))
-        else:
-            size = self.chunk_size
-            self.units = []
-            for start in range(0, count, size):
-                unit = list(range(start, min(start + size, count)))
-                self.units.append(unit + [unit[-1]] * (size - len(unit)))
-            axes = jax.tree.map(lambda shared: None if shared else 0, self._data_shared)
-            self._step = jax.jit(jax.vmap(self._body, in_axes=(0, axes, 0)), donate_argnums=(0,))
         self.check_traceable()
+        self.replica_selection: dict[str, Any] | None = None
+        if strategy_lib.measures(strategy, len(self.replicas)):
+            plans = {name: self._plan(name, chunk_size) for name in ("vmap", "sequential")}
+            self.replica_selection = strategy_lib.measure_replica_strategies(
+                {name: self._candidate(plan) for name, plan in plans.items()}, timer=timer
+            )
+            self._adopt(plans[self.replica_selection["strategy"]])
+        else:
+            self._adopt(self._plan(resolve_replica_strategy(strategy), chunk_size))
 
     @classmethod
     def from_grid(cls, grid, *, strategy: str = "auto", chunk_size: int = 0, **kwargs):
@@ -194,6 +182,35 @@ class ReplicaRound:
             chunk_size=chunk_size,
             **kwargs,
         )
+
+    # -- the replica strategy -------------------------------------------------------------
+
+    def _plan(self, strategy: str, chunk_size: int) -> dict[str, Any]:
+        """The units, chunk size and jitted round of ``strategy`` (``"sequential"``/``"vmap"``)."""
+        count = len(self.replicas)
+        if strategy == "sequential":
+            units, step = [[i] for i in range(count)], jax.jit(self._body, donate_argnums=(0,))
+            return dict(strategy=strategy, chunk_size=count, units=units, step=step)
+        size = min(chunk_size or count, count)
+        units = []
+        for start in range(0, count, size):
+            unit = list(range(start, min(start + size, count)))
+            units.append(unit + [unit[-1]] * (size - len(unit)))
+        axes = jax.tree.map(lambda shared: None if shared else 0, self._data_shared)
+        step = jax.jit(jax.vmap(self._body, in_axes=(0, axes, 0)), donate_argnums=(0,))
+        return dict(strategy=strategy, chunk_size=size, units=units, step=step)
+
+    def _adopt(self, plan: dict[str, Any]) -> None:
+        self.strategy, self.chunk_size = plan["strategy"], plan["chunk_size"]
+        self.units, self._step = plan["units"], plan["step"]
+
+    def _candidate(self, plan: dict[str, Any]) -> strategy_lib.Candidate:
+        """``plan``'s round and its first unit's arguments, to time (the states are copied)."""
+        self._adopt(plan)
+        unit = self.units[0]
+        states = self._unit_state([self._initial[i] for i in unit])
+        arguments = (states, self._unit_data(unit), self._unit_values(unit))
+        return strategy_lib.Candidate(plan["step"], arguments, len(self.units))
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -226,6 +243,10 @@ class ReplicaRound:
         self._test_shared = all(
             _same(getattr(first, name), getattr(d, name)) for d in datas for name in splits
         )
+
+    def _unit_values(self, unit: list[int]) -> dict[str, jax.Array]:
+        pick = unit[0] if self.strategy == "sequential" else unit
+        return {key: jnp.asarray(v[pick]) for key, v in self.values.items()}
 
     def _unit_data(self, unit: list[int]):
         if self.strategy == "sequential":
@@ -326,14 +347,16 @@ class ReplicaRound:
         """Runs one round of every replica: the new states and each replica's metrics."""
         new_states, metrics = [], [None] * len(self.replicas)
         for unit, state in zip(self.units, states, strict=True):
-            pick = unit[0] if self.strategy == "sequential" else unit
-            values = {key: jnp.asarray(v[pick]) for key, v in self.values.items()}
             try:
-                state, unit_metrics = self._step(state, self._unit_data(unit), values)
+                state, unit_metrics = self._step(
+                    state, self._unit_data(unit), self._unit_values(unit)
+                )
             except jax.errors.JaxRuntimeError as error:
-                if not _is_out_of_memory(error):
+                if not strategy_lib.is_out_of_memory(error):
                     raise
-                raise fed.RoundOutOfMemoryError(self._out_of_memory_message()) from None
+                raise fed.RoundOutOfMemoryError(
+                    strategy_lib.out_of_memory_message(self.strategy, self.chunk_size)
+                ) from None
             new_states.append(state)
             for position, index in enumerate(unit):
                 if metrics[index] is None:
@@ -343,18 +366,6 @@ class ReplicaRound:
                         else jax.tree.map(lambda x, p=position: x[p], unit_metrics)
                     )
         return new_states, metrics
-
-    def _out_of_memory_message(self) -> str:
-        if self.strategy == "vmap" and self.chunk_size > 1:
-            fix = (
-                f"lower --replica_chunk_size (it runs {self.chunk_size} replicas at once; 1 "
-                "runs one at a time), or pass --replica_strategy=sequential"
-            )
-        else:
-            fix = (
-                "shrink one run first (fed.strategy='sequential' or 'chunked' with fed.chunk_size)"
-            )
-        return f"A sweep round ran out of device memory: {fix}."
 
     def evaluators(self) -> list[Any]:
         """Per replica ``evaluate(params, model_state)`` on its test split (one compiled

@@ -31,6 +31,7 @@ import numpy as np
 from fedorth import fed
 from fedorth.sweep.grid import Grid, replica_name
 from fedorth.sweep.replicas import ReplicaRound
+from fedorth.sweep.strategy import describe_selection
 from fedorth.train import loop, plots
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer
@@ -75,6 +76,15 @@ def _params_finite(params) -> bool:
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(params))
 
 
+def _add_replica_strategy(path: pathlib.Path, replica_round: ReplicaRound) -> None:
+    """``run_info.json`` also says how the replicas ran and, on an accelerator, the timings
+    ``--replica_strategy=auto`` chose by (``fedorth.sweep.strategy``)."""
+    info = json.loads(path.read_text())
+    info["replica_strategy"] = replica_round.strategy
+    info["replica_strategy_selection"] = replica_round.replica_selection
+    loop._write_atomic(path, json.dumps(info, indent=2))
+
+
 def run_sweep(
     config: ml_collections.ConfigDict,
     grid: Grid,
@@ -113,6 +123,7 @@ def run_sweep(
         )
         for folder in folders:
             loop._write_run_info(folder, described)
+            _add_replica_strategy(folder / "run_info.json", replica_round)
         checkpointer = Checkpointer(workdir, every=int(config.get("checkpoint_every", 0)))
         writers = [MetricsWriter(folder) for folder in folders]
         try:
@@ -170,6 +181,8 @@ def _run(config, replica_round: ReplicaRound, folders, writers, checkpointer, st
         + f", clients {replica_round.client_strategy}.",
         file=stream,
     )
+    if replica_round.replica_selection is not None:
+        print(describe_selection(replica_round.replica_selection), file=stream)
     progress = Progress(rounds, start=done, stream=stream)
     start = time.perf_counter()
 
