@@ -1,9 +1,10 @@
 """Tests for fedorth.models: sizes, train/eval contract, matmul convolution, masks, vmap.
 
 Compilation dominates the run time on CPU, so every model function is jitted once per shape and
-the heavy ones run at toy sizes: ResNet-18's structure (CIFAR stem, BasicBlocks, stride-2
-shortcuts, BN/GN) at width 1/8 with one block per stage; parameter counts of the full models use
-`jax.eval_shape` (no memory, no compilation).
+the heavy ones run at toy sizes: ResNet-18's layer types (CIFAR stem, a BasicBlock with an
+identity shortcut, a stride-2 BasicBlock with a 1x1 projection shortcut, BN/GN) at width 1/8 in two
+stages of one block; parameter counts of the full models use `jax.eval_shape` (no memory, no
+compilation).
 """
 
 import functools
@@ -74,8 +75,11 @@ TINY = {
 
 
 def tiny_model(name: str, **overrides) -> Model:
-    if name == "resnet18":  # every ResNet-18 layer type, 1/8 width, one block per stage
-        kwargs = dict(num_classes=10, width=0.125, stage_sizes=(1, 1, 1, 1)) | overrides
+    if name == "resnet18":
+        # Every ResNet-18 layer type at 1/8 width: stage 1's block keeps its input (identity
+        # shortcut), stage 2's strides by 2 (1x1 projection shortcut); stages 3-4 repeat stage 2's
+        # layers at more channels, which the full-size counts above check through eval_shape.
+        kwargs = dict(num_classes=10, width=0.125, stage_sizes=(1, 1, 0, 0)) | overrides
         return Model(ResNet18(**kwargs))
     return get_model(name, **(TINY[name][0] | overrides))
 
