@@ -586,12 +586,13 @@ def test_auto_conv_resolves_to_matmul_on_cpu_and_equals_nn_conv():
             4, (3, 3), strides=(2, 2), padding="SAME", impl="auto", param_dtype=jnp.float64
         )
         plain = nn.Conv(4, (3, 3), strides=(2, 2), padding="SAME", param_dtype=jnp.float64)
-        params = plain.init(jax.random.key(1), x)
+        params = jax.jit(plain.init)(jax.random.key(1), x)
 
         def loss(module):
             return lambda p, x: jnp.sum(jnp.sin(module.apply(p, x)))
 
-        np.testing.assert_allclose(loss(auto)(params, x), loss(plain)(params, x), rtol=1e-12)
+        value = lambda module: jax.jit(loss(module))(params, x)  # noqa: E731
+        np.testing.assert_allclose(value(auto), value(plain), rtol=1e-12)
         g_auto = jax.jit(jax.grad(loss(auto), argnums=(0, 1)))(params, x)
         g_plain = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(params, x)
         for a, b in zip(jax.tree.leaves(g_auto), jax.tree.leaves(g_plain), strict=True):
@@ -609,7 +610,7 @@ def test_conv_models_default_to_auto_and_match_lax():
         default = models.get_model("cnn", **small)
         lax_model = models.get_model("cnn", conv_impl="lax", **small)
         assert default.module.conv_impl == "auto"
-        params, state = lax_model.init(jax.random.key(1), x)
+        params, state = jax.jit(lax_model.init)(jax.random.key(1), x)
         params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         value = lambda m: jax.jit(
             jax.value_and_grad(lambda p: m.loss_fn(p, state, batch, None)[0])
@@ -659,7 +660,7 @@ def test_auto_strategy_resolves_per_backend_and_keeps_the_round():
     assert fed.resolve_strategy("auto") == "sequential" and fed.resolve_strategy("vmap") == "vmap"
     assert fed.RoundConfig(4, 2, 3, 0.1).strategy == "auto"
     x, data = _toy_federated((6,), 40)
-    model = models.get_model("mlp", hidden_sizes=(8,), num_classes=3)
+    model = models.get_model("mlp", hidden_sizes=(), num_classes=3)
     algorithm = fed.get_algorithm("fedavg", {"name": "sgd", "learning_rate": 0.1})
     vmap, auto = (
         _one_round_params(model, algorithm, x, data, strategy=s, local_steps=3, batch_size=5)
@@ -771,16 +772,19 @@ _SOAP_EVERY_STEP = {
 }
 
 
+# The algorithms whose rounds run host LAPACK: FedPAC_SOAP (the clients' QR/eigh refreshes and
+# the server's eigh of the averaged factors), Local SOAP (the clients' refreshes alone) and
+# FedMuon's low-rank momentum upload (SVD).
+_HOST_LAPACK = {
+    "fedpac_soap": ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
+    "local_soap": ("local_soap", _SOAP_EVERY_STEP, {}),
+    "fedmuon_svd": ("fedmuon", {"name": "muon", "learning_rate": 0.1}, {"svd_ratio": 0.5}),
+}
+
+
 @pytest.mark.cpu_devices
-@pytest.mark.parametrize(
-    "name, optim, options",
-    [
-        ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
-        ("local_soap", _SOAP_EVERY_STEP, {}),
-        ("fedmuon", {"name": "muon", "learning_rate": 0.1}, {"svd_ratio": 0.5}),
-    ],
-)
-def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, options):
+@pytest.mark.parametrize("case", ["fedpac_soap", "fedmuon_svd"])
+def test_host_lapack_rounds_shard_and_equal_the_sequential_round(case):
     """SOAP's QR/eigh (client refreshes every step here, FedPAC's server bases) and FedMuon's
     low-rank momentum compression (SVD) run LAPACK on the host inside the round. With
     `jax.pure_callback` a sharded FedPAC_SOAP round hung (its `device_put` of the operands
@@ -792,12 +796,17 @@ def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, op
     means differ (~1e-8). A second round starts from those slightly different parameters, and the
     Adam-type steps inside SOAP turn such differences in near-zero gradient coordinates into
     steps of up to +-lr (m / sqrt(v) is a sign when |g| >> eps): 1e-4 apart after two rounds here,
-    as any change of summation order does (vmap vs sequential: 0.1)."""
+    as any change of summation order does (vmap vs sequential: 0.1).
+
+    Local SOAP's host calls are the client refreshes FedPAC_SOAP's clients make here too; that
+    "auto" shards its rounds as well is checked by
+    test_auto_shards_host_lapack_rounds_only_with_the_host_call_internals."""
     from fedorth.optim import linalg
 
     assert linalg.HOST_CALLS_SHARD, "the installed JAX lacks the host-call internals"
     x, data = _toy_federated((8, 8, 1), 16)
     model = _tiny_cnn()
+    name, optim, options = _HOST_LAPACK[case]
     algorithm = fed.get_algorithm(name, optim, **options)
     results = []
     for strategy in ("sequential", "auto"):
@@ -811,21 +820,23 @@ def test_host_lapack_rounds_shard_and_equal_the_sequential_round(name, optim, op
 
 
 @pytest.mark.cpu_devices
-def test_without_the_host_call_internals_host_lapack_rounds_stay_on_one_cpu_device(monkeypatch):
-    """Where the installed JAX lacks the internals `linalg`'s host call uses, `linalg` falls back
-    to `jax.pure_callback` (HOST_CALLS_SHARD False), which hangs on sharded CPU rounds: "auto"
+def test_auto_shards_host_lapack_rounds_only_with_the_host_call_internals(monkeypatch):
+    """With the internals `linalg`'s host call uses, "auto" shards the host-LAPACK rounds of a
+    convolutional model. Where the installed JAX lacks them, `linalg` falls back to
+    `jax.pure_callback` (HOST_CALLS_SHARD False), which hangs on sharded CPU rounds: "auto"
     then keeps SOAP states and low-rank compression on one device, and "sharded" is refused,
     while FedPAC_Sophia (no host LAPACK) still shards."""
     from fedorth.optim import linalg
 
-    monkeypatch.setattr(linalg, "HOST_CALLS_SHARD", False)
     x, _ = _toy_federated((8, 8, 1), 16)
     model = _tiny_cnn()
-    for name, optim, options in (
-        ("fedpac", _SOAP_EVERY_STEP, {"beta": 0.5}),
-        ("local_soap", _SOAP_EVERY_STEP, {}),
-        ("fedmuon", {"name": "muon", "learning_rate": 0.1}, {"svd_ratio": 0.5}),
-    ):
+    assert linalg.HOST_CALLS_SHARD, "the installed JAX lacks the host-call internals"
+    for name, optim, options in _HOST_LAPACK.values():
+        algorithm = fed.get_algorithm(name, optim, **options)
+        round_fn, _ = _toy_round(model, algorithm, x, strategy="auto", local_steps=1, batch_size=4)
+        assert round_fn.strategy == "sharded", name
+    monkeypatch.setattr(linalg, "HOST_CALLS_SHARD", False)
+    for name, optim, options in _HOST_LAPACK.values():
         algorithm = fed.get_algorithm(name, optim, **options)
         round_fn, _ = _toy_round(model, algorithm, x, strategy="auto", local_steps=1, batch_size=4)
         assert round_fn.strategy == "sequential", name

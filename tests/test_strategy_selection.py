@@ -115,7 +115,7 @@ def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
 def _conv_setup(conv_impl, strategy, timer=None):
     """FedAvg on a one-convolution CNN with random 8x8 images: 4 clients, all in each round."""
     model = models.get_model(
-        "cnn", num_classes=3, features=(4,), dense_sizes=(8,), conv_impl=conv_impl
+        "cnn", num_classes=3, features=(4,), dense_sizes=(), conv_impl=conv_impl
     )
     rng = np.random.default_rng(0)
     data = {
