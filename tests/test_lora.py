@@ -4,6 +4,7 @@ The base is the tiny RoBERTa fixture (tests/fixtures/pretrained/roberta, the ref
 in reference.npz), so the adapted model starts exactly at the pretrained one.
 """
 
+import functools
 import pathlib
 
 import jax
@@ -23,14 +24,23 @@ TINY = dict(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=6
 RANK = 4
 
 
-def _model_and_params():
-    reference = np.load(FIXTURE / "reference.npz")
+@functools.cache
+def _built():
+    """The adapted fixture model, built once per test process (one init compile)."""
+    reference = dict(np.load(FIXTURE / "reference.npz"))
     base = models.get_model("roberta_base", num_classes=3, dropout=0.0, **TINY)
     full, state = fast_jit(base.init)(jax.random.key(0), reference["input_ids"])
     full, _ = pretrained.load_pretrained("roberta_base", full, str(FIXTURE))
     model = lora.lora(base, rank=RANK)
     trainable, frozen = model.split(full, jax.random.key(1))
     return model, full, trainable, frozen, state, reference
+
+
+def _model_and_params():
+    """(model, full, trainable, frozen, state, reference): fresh containers around the shared
+    arrays (jax arrays are immutable), so a test may set a leaf without the next one seeing it."""
+    model, *trees, reference = _built()
+    return model, *(jax.tree.map(lambda leaf: leaf, tree) for tree in trees), dict(reference)
 
 
 def test_trainable_count_is_r_times_in_plus_out_per_matrix_plus_the_head():
