@@ -4,6 +4,11 @@ The reference of a replica is its single run built the way ``fedorth.train.run``
 (``builders.build`` + ``builders.init_server`` of the replica's config, its round function
 called round after round). With the sequential replica strategy the replica equals it bit for
 bit; vmapped over replicas, to float32 rounding (batched products may sum in another order).
+
+Compiling the rounds is most of these tests' time, so they share programs: the single runs are
+cached by their resolved config (the sequential and the vmapped replicas of a test compare with
+the same runs), the tiny config's clients all hold as many examples (``dirichlet_client_mix``)
+so every seed's round has the same shapes, and the model is linear (``hidden_sizes=()``).
 """
 
 from __future__ import annotations
@@ -22,21 +27,36 @@ import pytest
 
 from configs import fedavg, fedcm, fedmuon, fedpac_soap, scaffold
 from fedorth.sweep import Grid, ReplicaRound, SweepError
-from fedorth.sweep.grid import get_key, parse_sweep_argv
+from fedorth.sweep.grid import get_key, parse_sweep_argv, replica_name, set_key
 from fedorth.train import builders
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROUNDS = 3
 CONFIGS = {"fedavg": fedavg, "fedpac_soap": fedpac_soap, "fedmuon": fedmuon, "scaffold": scaffold}
-# A traced learning rate (one value, so still an array in the round) and two seeds: the seeds
-# change the model init, the Dirichlet partition, client sampling and mini-batches.
-GRID = {"seed": [42, 43], "optim.learning_rate": [0.07]}
+CLIENT_STRATEGIES = ["vmap", "chunked", "sequential", "sharded"]
+SEEDS = [42, 43]
+LEARNING_RATE = 0.07
+# A traced learning rate (one value, the base config's: still an array in the round) and two
+# seeds: the seeds change the model init, the Dirichlet class mixes, client sampling and
+# mini-batches.
+GRID = {"seed": SEEDS, "optim.learning_rate": [LEARNING_RATE]}
 
 
-def tiny(name: str, client_strategy: str = "sequential"):
+def tiny(
+    name: str,
+    client_strategy: str = "sequential",
+    partition: str = "dirichlet_client_mix",
+    hidden_sizes: tuple[int, ...] = (),  # one dense layer: a kernel (Muon's, SOAP's) and a bias
+    learning_rate: float | None = LEARNING_RATE,  # None: the config's
+):
     config = {**CONFIGS, "fedcm": fedcm}[name].get_config()
-    config.model.hidden_sizes = (16,)
+    config.model.hidden_sizes = hidden_sizes
     config.data.num_clients = 4
+    # Equal client sizes (Hsu et al.'s Dirichlet class mixes): every seed's data has the same
+    # shapes, so the single runs of all seeds share one compiled round.
+    config.data.partition = partition
+    if learning_rate is not None:
+        config.optim.learning_rate = learning_rate
     config.fed.clients_per_round = 2
     config.fed.local_steps = 2
     config.fed.batch_size = 8
@@ -46,137 +66,247 @@ def tiny(name: str, client_strategy: str = "sequential"):
     return config
 
 
-def single_run(config):
-    """The replica's single run: its server state and metrics after ROUNDS rounds."""
-    experiment = builders.build(config)
-    server = builders.init_server(experiment)
-    for _ in range(ROUNDS):
-        server, metrics = experiment.round_fn(server, experiment.data)
-    return server, metrics
+_SINGLE_RUNS: dict[str, dict] = {}
+_ROUND_FNS: dict[str, object] = {}
 
 
-def sweep(config, grid_values, replica_strategy):
+def _key(config, *leave_out: str) -> str:
+    tree = config.to_dict()
+    for name in leave_out:
+        tree.pop(name)
+    return json.dumps(tree, sort_keys=True, default=str)
+
+
+def single_run(config) -> dict:
+    """The replica's single run: its server state (the key as its data) and metrics after ROUNDS
+    rounds, on the host; cached by the resolved config.
+
+    ``builders.build``'s round function is its config's, not its seed's (the seed sets the
+    round's arguments: the data, the initial state and its key), so the single runs of the seeds
+    of one config call the first one's: one compilation, also where XLA's persistent cache
+    serves none (a program with host callbacks, SOAP's eigendecompositions)."""
+    if _key(config) not in _SINGLE_RUNS:
+        experiment = builders.build(config)
+        round_fn = _ROUND_FNS.setdefault(_key(config, "seed"), experiment.round_fn)
+        server = builders.init_server(experiment)
+        for _ in range(ROUNDS):
+            server, metrics = round_fn(server, experiment.data)
+        _SINGLE_RUNS[_key(config)] = _host(server, metrics)
+    return _SINGLE_RUNS[_key(config)]
+
+
+def _host(server, metrics) -> dict:
+    """Every part of the server state (its key as the key's data) and the train loss."""
+    return jax.device_get(
+        {
+            "state": server.replace(key=jax.random.key_data(server.key)),
+            "train_loss": metrics["train_loss"],
+        }
+    )
+
+
+def sweep(config, grid_values, replica_strategy, **kwargs):
     grid = Grid(config, grid_values)
-    round_ = ReplicaRound.from_grid(grid, strategy=replica_strategy)
+    round_ = ReplicaRound.from_grid(grid, strategy=replica_strategy, **kwargs)
+    return (grid.replicas(), *run(round_))
+
+
+def run(round_: ReplicaRound):
     states = round_.initial_states()
     for _ in range(ROUNDS):
         states, metrics = round_(states)
-    return grid, round_, states, metrics
+    return round_, states, metrics
 
 
-def compare(grid, round_, states, metrics, exact: bool):
-    for index, values in enumerate(grid.replicas()):
-        server, single_metrics = single_run(grid.replica_config(values))
-        replica = round_.replica_state(states, index)
-        pairs = [
-            (replica.params, server.params),
-            (replica.model_state, server.model_state),
-            (replica.opt_state, server.opt_state),
-            (replica.clients, server.clients),  # SCAFFOLD's c_i of every client
-            (replica.control, server.control),
-            (metrics[index]["train_loss"], single_metrics["train_loss"]),
-        ]
-        for ours, theirs in pairs:
-            for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-                a, b = np.asarray(a), np.asarray(b)
-                if exact:
-                    np.testing.assert_array_equal(a, b, err_msg=f"replica {values}")
-                else:
-                    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=f"{values}")
+def compare(replicas, round_, states, metrics, exact: bool):
+    for index, replica in enumerate(round_.replicas):
+        assert replica.values == replicas[index]
+        theirs = single_run(replica.config)
+        ours = _host(round_.replica_state(states, index), metrics[index])
+        assert jax.tree.structure(ours) == jax.tree.structure(theirs), replica.name
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            if exact:
+                np.testing.assert_array_equal(a, b, err_msg=f"replica {replica.name}")
+            else:
+                np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=replica.name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("client_strategy", ["vmap", "chunked", "sequential", "sharded"])
+@pytest.mark.parametrize("client_strategy", CLIENT_STRATEGIES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_sequential_replicas_are_their_single_runs_bit_for_bit(name, client_strategy):
+def test_each_replica_is_its_single_run(name, client_strategy):
+    """Sequential replicas are their single runs bit for bit, vmapped replicas to float32
+    rounding, in each client strategy (the same single runs serve both; vmapped over sharded
+    clients, SCAFFOLD)."""
     config = tiny(name, client_strategy)
     grid_values = GRID
     if client_strategy == "sharded":
         # A traced learning rate is an operand of the sharded call where the single run has a
         # constant: XLA compiles the partitioned round differently (1 ulp in a few weights after
-        # 3 rounds; test_sharded_rounds_with_a_traced_learning_rate... bounds it). The seeds,
+        # 3 rounds; the vmapped replicas below and
+        # test_sharded_sequential_replicas_with_a_traced_learning_rate... bound it). The seeds,
         # which change no code, are exact.
-        grid_values = {"seed": GRID["seed"]}
-    grid, round_, states, metrics = sweep(config, grid_values, "sequential")
+        grid_values = {"seed": SEEDS}
+    replicas, round_, states, metrics = sweep(config, grid_values, "sequential")
     assert round_.client_strategy == client_strategy
     if client_strategy == "sharded":
         assert len(round_.replicas[0].experiment.round_fn.devices) == 2  # S = 2 over 2 devices
-    compare(grid, round_, states, metrics, exact=True)
+    compare(replicas, round_, states, metrics, exact=True)
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("client_strategy", ["vmap", "sequential"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_vmapped_replicas_are_their_single_runs_to_float32_rounding(name, client_strategy):
-    config = tiny(name, client_strategy)
-    grid, round_, states, metrics = sweep(config, GRID, "vmap")
+    if client_strategy == "sharded" and name != "scaffold":
+        return  # vmapped over sharded rounds: SCAFFOLD's per-client state, the hardest case
+    replicas, round_, states, metrics = sweep(config, GRID, "vmap")
     assert round_.strategy == "vmap" and round_.units == [[0, 1]]
-    compare(grid, round_, states, metrics, exact=False)
+    assert round_.client_strategy == client_strategy
+    compare(replicas, round_, states, metrics, exact=False)
 
 
-@pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
-def test_sharded_rounds_with_a_traced_learning_rate_agree_to_float32_rounding(replica_strategy):
-    """SCAFFOLD's per-client control variates, clients sharded over 2 devices, lr traced."""
+def test_sharded_sequential_replicas_with_a_traced_learning_rate_agree_to_float32_rounding():
+    """SCAFFOLD's per-client control variates, clients sharded over 2 devices, lr traced, one
+    replica at a time (vmapped: test_each_replica_is_its_single_run[scaffold-sharded])."""
     config = tiny("scaffold", "sharded")
-    grid, round_, states, metrics = sweep(config, GRID, replica_strategy)
-    compare(grid, round_, states, metrics, exact=False)
+    compare(*sweep(config, GRID, "sequential"), exact=False)
 
 
 def test_vmap_chunks_pad_the_last_chunk_and_keep_each_replica():
-    """Three replicas in chunks of two: the last chunk repeats replica 2 (one compiled round)."""
-    config = tiny("fedavg", "vmap")
-    grid = Grid(config, {"seed": [42, 43, 44]})
-    round_ = ReplicaRound.from_grid(grid, strategy="vmap", chunk_size=2)
+    """Three replicas in chunks of two: the last chunk repeats replica 2 (one compiled round).
+    The clients' sizes differ (``dirichlet_label_split``) and differ between seeds: the index
+    rows are padded to the longest client of all replicas and stacked over replicas."""
+    config = tiny("fedavg", "vmap", partition="dirichlet_label_split")
+    replicas, round_, states, metrics = sweep(config, {"seed": [42, 43, 44]}, "vmap", chunk_size=2)
+    own = [builders.build(r.config).data.client_index.shape[1] for r in round_.replicas]
+    padded = {r.experiment.data.client_index.shape[1] for r in round_.replicas}
+    assert len(set(own)) > 1 and padded == {max(own)}, "the seeds' widths differ: padded"
     assert round_.units == [[0, 1], [2, 2]]
-    states = round_.initial_states()
-    for _ in range(ROUNDS):
-        states, metrics = round_(states)
     assert round_._step._cache_size() == 1, "every chunk runs the same compiled round"
-    compare(grid, round_, states, metrics, exact=False)
+    compare(replicas, round_, states, metrics, exact=False)
 
 
-def test_traced_hyperparameters_compile_one_round_for_all_values():
-    """Muon's beta, the learning rate and the seed vary; one compiled round serves them all,
-    and each replica is its single run."""
-    config = tiny("fedmuon")
-    values = {"seed": [42, 43], "optim.beta": [0.95, 0.9], "optim.learning_rate": [0.02, 0.01]}
-    grid, round_, states, metrics = sweep(config, values, "sequential")
-    assert len(grid.replicas()) == 8
-    assert round_._step._cache_size() == 1
-    compare(grid, round_, states, metrics, exact=True)
+def fake_clock(unit_s: dict[str, float]):
+    """A timer returning, per candidate (vmap's, then sequential's): start, start + 1 s of
+    compilation, + ``unit_s[name]`` for its first unit."""
+    ticks, now = [], 100.0
+    for name in ("vmap", "sequential"):
+        ticks += [now, now + 1.0, now + 1.0 + unit_s[name]]
+        now += 1000.0
+    return iter(ticks).__next__
+
+
+@pytest.mark.parametrize(
+    "unit_s, chosen",
+    [
+        ({"vmap": 0.75, "sequential": 0.25}, "sequential"),  # 0.75 s > 2 replicas x 0.25 s
+        ({"vmap": 0.25, "sequential": 0.25}, "vmap"),  # 0.25 s < 2 x 0.25 s
+        ({"vmap": 0.5, "sequential": 0.25}, "vmap"),  # a tie goes to vmap
+    ],
+)
+def test_auto_on_an_accelerator_runs_the_replica_strategy_measured_faster(
+    monkeypatch, unit_s, chosen
+):
+    """On an accelerator (pretended: ``fed.execution._backend``), ``"auto"`` times one unit of
+    each replica strategy (one replica; one chunk of both) with the clock given and runs the
+    faster sweep round: its rounds are then those of that strategy fixed, each replica its
+    single run (bit for bit sequentially, to float32 rounding vmapped)."""
+    from fedorth.fed import execution
+
+    config = tiny("fedavg", "vmap")
+    with monkeypatch.context() as patch:
+        patch.setattr(execution, "_backend", lambda: "gpu")
+        grid = Grid(config, GRID)
+        round_ = ReplicaRound.from_grid(grid, strategy="auto", timer=fake_clock(unit_s))
+    assert round_.strategy == chosen
+    selection = round_.replica_selection
+    assert selection["strategy"] == chosen and selection["backend"] == "gpu"
+    for name, units in (("vmap", 1), ("sequential", 2)):
+        timing = selection["candidates"][name]
+        assert timing["units"] == units and timing["compile_s"] == 1.0
+        assert timing["round_s"] == units * unit_s[name]
+    compare(grid.replicas(), *run(round_), exact=chosen == "sequential")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend's rule")
+def test_auto_on_cpu_runs_replicas_one_at_a_time():
+    """On CPU ``"auto"`` is sequential without timing anything."""
+    round_ = ReplicaRound.from_grid(Grid(tiny("fedavg"), {"seed": SEEDS}), strategy="auto")
+    assert round_.strategy == "sequential" and round_.replica_selection is None
 
 
 # Keys fedorth branches on when they are concrete numbers (a nonzero weight decay or momentum adds
-# its transform, beta = 0 skips the mixing), traced as arrays in a sweep. The values are
-# exact in float32 and their complements too (1 - 0.25), so the maths is the single run's.
-# A traced weight decay or local momentum of 0 computes g + 0 x and 0 m + g: the same numbers.
-# A server momentum or alpha/beta of 0 would keep state the single run has not (a zero trace,
-# the global direction), so those grids hold nonzero values.
-TRACED_BRANCH_KEYS = [
-    ("fedavg", "optim.weight_decay", [0.0, 1e-3]),
-    ("fedavg", "optim.momentum", [0.0, 0.5]),
-    ("fedavg", "fed.options.server_momentum", [0.5, 0.25]),
-    ("fedmuon", "fed.options.alpha", [0.5, 0.25]),
-    ("fedpac_soap", "fed.options.beta", [0.5, 0.25]),
-    ("fedcm", "fed.options.alpha", [0.5, 0.25]),  # mixes with beta = 1 - alpha, in the round
+# its transform, beta = 0 skips the mixing), traced as arrays in a sweep, with the learning rate,
+# Muon's beta and the seed. Each group's replicas are a centre (the base config) and one
+# replica per key with another value: one compiled round serves them all. The values are exact
+# in float32 and their complements too (1 - 0.25), so the maths is the single run's. A traced
+# weight decay or local momentum of 0 computes g + 0 x and 0 m + g: the same numbers. A server
+# momentum or alpha/beta of 0 would keep state the single run has not (a zero trace, the global
+# direction), so those keys vary between nonzero values.
+TRACED_KEYS = [
+    (
+        "fedavg",
+        {
+            "optim.weight_decay": (1e-3, 0.0),
+            "optim.momentum": (0.5, 0.0),
+            "fed.options.server_momentum": (0.5, 0.25),
+        },
+        {},
+    ),
+    (
+        "fedmuon",
+        {"seed": (42, 43), "optim.learning_rate": (LEARNING_RATE, 0.02), "optim.beta": (0.95, 0.9)},
+        {},
+    ),
+    # Alone, on a hidden layer of 16 at lr 0.02: on the linear model at lr 0.07, traced alpha left
+    # 2 of the 640 weights a few ulps off the single run's after 3 rounds, alone or with the
+    # learning rate and Muon's beta (XLA simplifies products with constants that it cannot
+    # with traced operands); docs/SWEEPS.md.
+    (
+        "fedmuon",
+        {"fed.options.alpha": (0.5, 0.25)},
+        {"partition": "dirichlet_label_split", "hidden_sizes": (16,), "learning_rate": None},
+    ),
+    ("fedpac_soap", {"fed.options.beta": (0.5, 0.25)}, {}),
+    ("fedcm", {"fed.options.alpha": (0.5, 0.25)}, {}),  # mixes with beta = 1 - alpha, in the round
 ]
 
 
-@pytest.mark.parametrize("name, key, values", TRACED_BRANCH_KEYS)
-def test_keys_fedorth_branches_on_are_traced_and_each_replica_is_its_single_run(name, key, values):
-    config = tiny(name)
-    section, _, leaf = key.rpartition(".")
-    if leaf not in get_key(config, section):  # SGD's momentum, FedAvg's server momentum
-        get_key(config, section)[leaf] = values[0]
-    grid, round_, states, metrics = sweep(config, {key: values}, "sequential")
-    assert grid.kinds[key] == "traced" and round_._step._cache_size() == 1
-    compare(grid, round_, states, metrics, exact=True)
+def star_round(name: str, keys: dict, tiny_kwargs: dict, replica_strategy: str) -> ReplicaRound:
+    """The centre replica and one per key of ``keys`` with its other value."""
+    config = tiny(name, **tiny_kwargs)
+    for key, (centre, _) in keys.items():
+        set_key(config, key, centre)  # also SGD's momentum, FedAvg's server momentum
+    grid = Grid(config, {key: list(pair) for key, pair in keys.items()})
+    centre = {key: pair[0] for key, pair in keys.items()}
+    replicas = [centre] + [{**centre, key: pair[1]} for key, pair in keys.items()]
+    return ReplicaRound(
+        [grid.replica_config(values) for values in replicas],
+        replicas,
+        grid.traced_keys,
+        [replica_name(values) for values in replicas],
+        strategy=replica_strategy,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, keys, tiny_kwargs", TRACED_KEYS, ids=[f"{n}-{','.join(k)}" for n, k, _ in TRACED_KEYS]
+)
+def test_traced_hyperparameters_compile_one_round_and_each_replica_is_its_single_run(
+    name, keys, tiny_kwargs
+):
+    """Sequential replicas bit for bit, vmapped ones to float32 rounding; either way one
+    compiled round for all values."""
+    for replica_strategy, exact in (("sequential", True), ("vmap", False)):
+        round_, states, metrics = run(star_round(name, keys, tiny_kwargs, replica_strategy))
+        replicas = [r.values for r in round_.replicas]
+        assert len(replicas) == len(keys) + 1
+        assert set(round_.traced_keys) == set(keys) - {"seed"}
+        assert round_._step._cache_size() == 1
+        compare(replicas, round_, states, metrics, exact=exact)
 
 
 @pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
 def test_stack_and_unstack_are_inverse(replica_strategy):
-    config = tiny("scaffold", "vmap")
-    grid = Grid(config, {"seed": [42, 43, 44]})
+    config = tiny("scaffold", "vmap")  # the programs of test_each_replica_is_its_single_run
+    grid = Grid(config, {"seed": [42, 43, 44], "optim.learning_rate": [LEARNING_RATE]})
     round_ = ReplicaRound.from_grid(grid, strategy=replica_strategy, chunk_size=2)
     states, _ = round_(round_.initial_states())
     again = round_.unstack(round_.stack(states))  # what a resumed sweep runs from
@@ -276,15 +406,17 @@ def test_parse_sweep_argv():
 # ---------------------------------------------------------------------------------------------
 # The command: run folders, resume after SIGKILL, the single run's metrics.
 
+# The default partition (dirichlet_label_split): the seeds' clients differ in size, so the
+# sweep pads its replicas' index rows, and a replica still equals its single run.
 TINY_ARGS = [
     "--config=fedavg",
-    "--config.model.hidden_sizes=(16,)",
+    "--config.model.hidden_sizes=()",
     "--config.data.num_clients=4",
     "--config.fed.clients_per_round=2",
     "--config.fed.local_steps=2",
     "--config.fed.batch_size=8",
-    "--config.eval_every=2",
-    "--config.checkpoint_every=2",
+    "--config.eval_every=4",
+    "--config.checkpoint_every=4",
 ]
 SWEEP_ARGS = ["--sweep.seed=42,43", "--sweep.optim.learning_rate=0.1,0.05"]
 
@@ -324,14 +456,16 @@ def test_bad_sweep_key_on_the_command_line_is_one_line(tmp_path):
 
 
 def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
-    """A sweep killed (SIGKILL) after its second checkpoint and started again by the same
-    command ends with the metrics of an uninterrupted sweep; each replica's metrics equal those
-    of ``experiments.main`` with the replica's values (seed 43, lr 0.05 here), and
+    """A sweep killed (SIGKILL) after its second checkpoint (of four) and started again by the
+    same command ends with the metrics of an uninterrupted sweep; each replica's metrics equal
+    those of ``experiments.main`` with the replica's values (seed 43, lr 0.05 here), and
     ``experiments.report`` reads the sweep as four runs in two groups of two seeds."""
-    rounds = ["--config.fed.rounds=30"]
+    rounds = ["--config.fed.rounds=16"]
     whole = tmp_path / "whole"
     first = _run(_command("experiments.sweep", whole, *rounds, *SWEEP_ARGS))
     assert first.returncode == 0, first.stderr
+    assert "Sweep of 4 replicas x 16 rounds: replicas sequential" in first.stderr, first.stderr
+    assert "ETA" in first.stderr, "the progress line"
     killed = tmp_path / "killed"
     command = _command("experiments.sweep", killed, *rounds, *SWEEP_ARGS)
     with open(tmp_path / "first.log", "w") as log:
@@ -342,11 +476,11 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()
-    assert max(_steps(killed)) < 30, "killed mid-sweep"
+    assert max(_steps(killed)) < 16, "killed mid-sweep"
     again = _run(command)
     assert again.returncode == 0, again.stderr
     assert "Resumed the sweep from round" in again.stderr
-    assert "Sweep of 4 replicas x 30 rounds" in again.stderr
+    assert "Sweep of 4 replicas x 16 rounds" in again.stderr
     names = sorted(p.name for p in whole.iterdir() if (p / "config.json").exists())
     assert names == sorted(
         f"seed={s},optim.learning_rate={lr}" for s in (42, 43) for lr in (0.1, 0.05)
@@ -354,6 +488,9 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
     for name in names:
         assert _rows(killed / name) == _rows(whole / name), name
         assert (whole / name / "curves.png").exists() and (whole / name / "tensorboard").is_dir()
+        info = json.loads((whole / name / "run_info.json").read_text())
+        assert info["replica_strategy"] == "sequential"  # "auto" on CPU, not timed
+        assert info["replica_strategy_selection"] is None
 
     single = tmp_path / "single"
     args = [*rounds, "--config.seed=43", "--config.optim.learning_rate=0.05"]
