@@ -6,6 +6,7 @@ them; their metrics equal one process's over two devices. A process that is kill
 other within seconds with one line naming it.
 """
 
+import ast
 import json
 import os
 import pathlib
@@ -17,7 +18,10 @@ import time
 
 import jax
 import pytest
+from test_reliability import apply
 
+from configs import fedavg
+from fedorth import train
 from fedorth.train import distributed
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -39,7 +43,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> pathlib.Path:
+    """XLA's persistent compilation cache for this file's processes: every run here compiles the
+    same round and evaluation programs (the processes of a run, and the runs of each test), so
+    the first run's processes compile them and the later ones load them. A folder of this
+    file's own, apart from the test session's: a process killed in the middle of writing an
+    entry would leave it half written (the lost-process tests kill theirs once their rounds
+    run, after every program is compiled)."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def _env(devices: int, xla_cache: pathlib.Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     # The test process's 8 forced fake devices go; its other XLA flags (tests/conftest.py's
     # code generation level) stay, so that every run compiles alike.
@@ -50,23 +65,32 @@ def _env(devices: int) -> dict[str, str]:
     )
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
     env["JAX_PLATFORMS"] = "cpu"
+    if xla_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(xla_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        # A size limit turns on the file lock: the processes of a run write the same entries.
+        env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**36)
     # The repository first on the path: a clone that is not pip-installed imports its fedorth.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-def _main(args: list[str], devices: int, log: pathlib.Path) -> subprocess.Popen:
+def _main(
+    args: list[str], devices: int, log: pathlib.Path, xla_cache: pathlib.Path
+) -> subprocess.Popen:
     with log.open("w") as out:  # stdout and stderr, read once the process ends
         return subprocess.Popen(
             [sys.executable, "-m", "experiments.main", *TINY, *args],
             cwd=ROOT,
-            env=_env(devices),
+            env=_env(devices, xla_cache),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
 
 
-def _distributed(workdir, rounds: int, tmp_path, *extra: str) -> list[subprocess.Popen]:
+def _distributed(
+    workdir, rounds: int, tmp_path, xla_cache: pathlib.Path, *extra: str
+) -> list[subprocess.Popen]:
     port = _free_port()
     return [
         _main(
@@ -81,6 +105,7 @@ def _distributed(workdir, rounds: int, tmp_path, *extra: str) -> list[subprocess
             ],
             devices=1,
             log=tmp_path / f"process_{i}.log",
+            xla_cache=xla_cache,
         )
         for i in range(2)
     ]
@@ -127,25 +152,33 @@ print(len(jax.devices()), "modules imported, backend started after initialize")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def _tiny_config(rounds: int):
+    """The config that TINY's flags and ``--config.fed.rounds=rounds`` make, in this process."""
+    overrides = {}
+    for flag in [*TINY[1:], f"--config.fed.rounds={rounds}"]:
+        dotted, _, text = flag.removeprefix("--config.").partition("=")
+        try:
+            overrides[dotted] = ast.literal_eval(text)
+        except ValueError:  # a string, as the command line passes it
+            overrides[dotted] = text
+    return apply(fedavg.get_config(), overrides)
+
+
 @pytest.mark.slow
-def test_two_processes_of_the_cli_equal_one_process_over_two_devices(tmp_path):
+@pytest.mark.cpu_devices
+def test_two_processes_of_the_cli_equal_one_process_over_two_devices(tmp_path, xla_cache):
     """The README's recipe on localhost: two `experiments.main --distributed` processes, one
-    device each, against one process over two devices; the same round, program and numbers."""
-    processes = [
-        *_distributed(tmp_path / "two", 3, tmp_path),
-        _main(
-            [f"--workdir={tmp_path / 'one'}", "--config.fed.rounds=3"],
-            devices=2,
-            log=tmp_path / "one.log",
-        ),
-    ]
+    device each, against one process over two devices (this test's own: the round's mesh takes
+    as many of its 8 devices as divide S = 2); the same round, program and numbers."""
+    processes = _distributed(tmp_path / "two", 3, tmp_path, xla_cache)
     try:
+        train.run(_tiny_config(rounds=3), tmp_path / "one")  # while the two processes run
         for p in processes:
             p.wait(timeout=300)
     finally:
         _stop(processes)
-    for p, log in zip(processes, ("process_0", "process_1", "one"), strict=True):
-        assert p.returncode == 0, (tmp_path / f"{log}.log").read_text()[-3000:]
+    for i, p in enumerate(processes):
+        assert p.returncode == 0, (tmp_path / f"process_{i}.log").read_text()[-3000:]
     one = _rows(tmp_path / "one" / "metrics.jsonl")
     assert [row["round"] for row in one] == [0, 1, 2, 3]
     # Process 0 writes the run's files, process 1 its copy; both read the replicated metrics.
@@ -162,16 +195,20 @@ def test_two_processes_of_the_cli_equal_one_process_over_two_devices(tmp_path):
     [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
     ids=["process_1_killed", "coordinator_killed", "process_1_silent"],
 )
-def test_a_lost_process_stops_the_other_in_seconds_with_one_line(tmp_path, victim, how):
+def test_a_lost_process_stops_the_other_in_seconds_with_one_line(tmp_path, xla_cache, victim, how):
     """A killed process (its connections reset) is named about 2 s after the others' next
     collective fails; a silent one (SIGSTOP: a frozen or unplugged host) after the heartbeat
     timeout (3 s here). The survivor prints one line naming it, not JAX's abort and stack."""
-    processes = _distributed(tmp_path / "run", 10_000, tmp_path, "--heartbeat_timeout_s=3")
+    processes = _distributed(
+        tmp_path / "run", 10_000, tmp_path, xla_cache, "--heartbeat_timeout_s=3"
+    )
     survivor = 1 - victim
     log = tmp_path / f"process_{survivor}.log"
     try:
         deadline = time.monotonic() + 240
-        while "round 5/" not in log.read_text():  # both joined and running rounds
+        # Both joined and running rounds; round 2 is the first that compiles nothing (rounds 0
+        # and 1 compile the evaluation and the round), so no cache entry is left half written.
+        while "round 2/" not in log.read_text():
             assert time.monotonic() < deadline and processes[survivor].poll() is None, (
                 log.read_text()[-3000:]
             )
@@ -261,14 +298,13 @@ def test_process_i_writes_its_files_apart_and_shares_the_checkpoints(tmp_path, m
     the checkpoints, written by all processes together, to workdir/checkpoints."""
     import types
 
-    from test_reliability import tiny_config
-
-    from fedorth import train
     from fedorth.train import loop
 
     as_process_1 = types.SimpleNamespace(**{**vars(jax), "process_index": lambda: 1})
     monkeypatch.setattr(loop, "jax", as_process_1)
-    config = tiny_config(**{"fed.rounds": 1, "eval_every": 0, "checkpoint_every": 0})
+    # The round of the two-process test's reference run (compiled once per worker).
+    config = _tiny_config(rounds=1)
+    config.eval_every = config.checkpoint_every = 0
     train.run(config, tmp_path)
     own = tmp_path / "process_1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "process_1"]
