@@ -45,12 +45,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory) -> pathlib.Path:
-    """XLA's persistent compilation cache for this file's processes: every run here compiles the
-    same round and evaluation programs (the processes of a run, and the runs of each test), so
-    the first run's processes compile them and the later ones load them. A folder of this
-    file's own, apart from the test session's: a process killed in the middle of writing an
-    entry would leave it half written (the lost-process tests kill theirs once their rounds
-    run, after every program is compiled)."""
+    """XLA's persistent compilation cache for this file's processes: every two-process run here
+    compiles the same programs, so process 0 of the first run compiles them and process 0 of
+    each later run loads them (in a multi-process run JAX reads and writes the cache in process
+    0 only: process 1 compiles its own). A folder of this file's own, apart from the test
+    session's: a process killed in the middle of writing an entry would leave it half written
+    (the lost-process tests kill theirs once their rounds run, after every program is
+    compiled)."""
     return tmp_path_factory.mktemp("xla_cache")
 
 
