@@ -1,4 +1,5 @@
-"""The ``jax_loop`` peer of the round benchmark: Python loops around one jitted local step.
+"""The ``jax_loop`` peer of the round benchmark: Python loops around one jitted local step
+(the engine's own ``fed.client.local_step``).
 
 What a JAX user writes without fedorth's engine: for each sampled client, for each local step,
 one jitted call, then a jitted server update. It runs the engine's algorithm, not a copy of it:
@@ -22,13 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from experiments.bench.measure import compile_counter
 from experiments.bench.workloads import Case, build_model
 from fedorth import fed
+from fedorth.fed import client as fed_client
 from fedorth.fed.server import sample_clients
-from fedorth.models import layers
 from fedorth.optim import federated as fed_optim
 
 
@@ -93,24 +93,10 @@ class JaxLoopRound:
             return out
 
         def local_step(params, model_state, opt_state, extras, data, client, client_key, step):
-            batch_key, model_key, opt_key = jax.random.split(
-                jax.random.fold_in(client_key, step), 3
-            )
-            batch = batch_fn(data, client, batch_key)
-            (_, (new_model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, model_state, batch, model_key
-            )
-
-            def obj_fn(p):
-                # As the engine's round: forward-mode derivatives of the objective (Sophia's
-                # Hessian-vector products) see no custom-VJP convolution.
-                with layers.conv_trace_mode("forward"):
-                    return loss_fn(p, model_state, batch, model_key)[0]
-
-            updates, opt_state = tx.update(
-                grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras
-            )
-            return optax.apply_updates(params, updates), new_model_state, opt_state
+            """The engine's own step (fed.client.local_step), jitted alone."""
+            carry = (params, model_state, opt_state)
+            args = (tx, loss_fn, batch_fn, data, client, client_key, extras, carry, step)
+            return fed_client.local_step(*args)[0]
 
         def finish(server, results):
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *results)

@@ -11,6 +11,7 @@ real branch under ``vmap`` (docs/CONTRACTS.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,43 @@ def make_prepass_fn(
     return prepass_fn
 
 
+def local_step(
+    tx: optax.GradientTransformationExtraArgs,
+    loss_fn: LossFn,
+    batch_fn: BatchFn,
+    data: PyTree,
+    client_id: jax.Array,
+    client_key: jax.Array,
+    extras: dict[str, Any],
+    carry: tuple[PyTree, PyTree, PyTree],
+    step_index: jax.Array,
+):
+    """One local step of a client: ``(params, model_state, opt_state) -> (new triple, loss)``.
+
+    The step's keys are ``client_key`` folded with ``step_index``, split into the batch, model
+    (dropout) and optimizer keys; the local optimizer gets the objective ``obj_fn`` and the
+    round's ``extras`` as extra arguments. :func:`local_steps` scans it; the benchmark's
+    Python-loop peer (experiments/bench/jax_loop.py) calls it step by step.
+    """
+    params, model_state, opt_state = carry
+    batch_key, model_key, opt_key = jax.random.split(jax.random.fold_in(client_key, step_index), 3)
+    batch = batch_fn(data, client_id, batch_key)
+    (loss, (new_model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, model_state, batch, model_key
+    )
+
+    def obj_fn(p):
+        # The local optimizer may take forward-mode derivatives of the objective
+        # (Sophia's Hessian-vector products are forward-over-reverse): no custom-VJP
+        # convolutions in its trace (layers.conv_trace_mode).
+        with layers.conv_trace_mode("forward"):
+            return loss_fn(p, model_state, batch, model_key)[0]
+
+    updates, opt_state = tx.update(grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras)
+    params = optax.apply_updates(params, updates)
+    return (params, new_model_state, opt_state), loss
+
+
 def local_steps(
     tx: optax.GradientTransformationExtraArgs,
     loss_fn: LossFn,
@@ -63,32 +101,9 @@ def local_steps(
     client_key: jax.Array,
     extras: dict[str, Any],
 ):
-    """The ``K`` local steps (a ``lax.scan``) from ``start = (params, model_state, opt_state)``;
-    returns the final triple and the step losses."""
-
-    def step(carry, step_index):
-        params, model_state, opt_state = carry
-        batch_key, model_key, opt_key = jax.random.split(
-            jax.random.fold_in(client_key, step_index), 3
-        )
-        batch = batch_fn(data, client_id, batch_key)
-        (loss, (new_model_state, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, model_state, batch, model_key
-        )
-
-        def obj_fn(p):
-            # The local optimizer may take forward-mode derivatives of the objective
-            # (Sophia's Hessian-vector products are forward-over-reverse): no custom-VJP
-            # convolutions in its trace (layers.conv_trace_mode).
-            with layers.conv_trace_mode("forward"):
-                return loss_fn(p, model_state, batch, model_key)[0]
-
-        updates, opt_state = tx.update(
-            grads, opt_state, params, obj_fn=obj_fn, key=opt_key, **extras
-        )
-        params = optax.apply_updates(params, updates)
-        return (params, new_model_state, opt_state), loss
-
+    """The ``K`` local steps (a ``lax.scan`` of :func:`local_step`) from ``start = (params,
+    model_state, opt_state)``; returns the final triple and the step losses."""
+    step = functools.partial(local_step, tx, loss_fn, batch_fn, data, client_id, client_key, extras)
     return jax.lax.scan(step, start, jnp.arange(config.local_steps), unroll=config.unroll)
 
 
