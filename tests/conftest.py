@@ -28,35 +28,67 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-def _compilation_cache(worker: str) -> None:
-    """XLA's persistent compilation cache, one fresh folder per pytest process.
+_SHARED_CACHE = "FEDORTH_TEST_XLA_CACHE"
+
+
+def _compilation_cache() -> None:
+    """XLA's persistent compilation cache, one fresh folder per test session.
 
     Many tests run the same program several times through fresh closures (a stopped run and its
     resumption, the tiny reliability config in every test of its file): JAX's in-memory caches
     key on the function object and compile each again, the persistent cache keys on the
-    program's text and hands back the executable already compiled, the same binary. One folder
-    per process (xdist worker) and set in this process only, not in the environment of the
-    subprocesses the tests start: nothing else writes to it (a concurrent or killed writer would
-    leave a partial entry). Removed at exit.
+    program's text and hands back the executable already compiled, the same binary. With xdist
+    the controller creates the folder before its workers start (``pytest_configure``) and the
+    workers share it, so a program one worker compiled is not compiled again by the other; with
+    a size limit set, JAX takes a file lock around every read and write of the folder, so the
+    two never see a half-written entry. Set in the pytest processes only, never in the
+    environment of the subprocesses the tests start (the CLI runs some tests kill with SIGKILL
+    would leave a partial entry). Removed when the session ends.
     """
-    import atexit
-    import shutil
-    import tempfile
-
     if os.environ.get("FEDORTH_TEST_COMPILATION_CACHE", "1") == "0":
         return
     if jax.config.jax_compilation_cache_dir:  # the user's own cache: kept
         return
-    folder = tempfile.mkdtemp(prefix=f"fedorth-xla-cache-{worker}-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder = os.environ.get(_SHARED_CACHE)
+    if folder is None:  # no xdist controller made one: this process's own
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="fedorth-xla-cache-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_compilation_cache_max_size", 2**36)  # a limit turns the lock on
 
 
-_compilation_cache(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+def _share_the_cache_with_workers(config) -> None:
+    """In an xdist controller: one cache folder for every worker, removed at the end."""
+    if (
+        getattr(config.option, "numprocesses", None)
+        and not hasattr(config, "workerinput")
+        and os.environ.get("FEDORTH_TEST_COMPILATION_CACHE", "1") != "0"
+        and _SHARED_CACHE not in os.environ
+    ):
+        import tempfile
+
+        os.environ[_SHARED_CACHE] = tempfile.mkdtemp(prefix="fedorth-xla-cache-")
+        config._fedorth_shared_cache = os.environ[_SHARED_CACHE]
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_fedorth_shared_cache", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_compilation_cache()
 
 
 def pytest_configure(config):
+    _share_the_cache_with_workers(config)
     config.addinivalue_line(
         "markers",
         "cpu_devices: asserts what the CPU backend does with this file's 8 fake CPU devices; "
