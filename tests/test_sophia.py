@@ -162,11 +162,7 @@ def test_hutchinson_matches_numpy_on_dense_hessian():
     key = jax.random.key(3)
     for sampler in ("packed", "optax"):
         for num_probes in (1, 3):
-            # Jitted: one program instead of op-by-op dispatch (the probes' bits are the same).
-            estimate = jax.jit(
-                lambda p, k: hutchinson_diagonal(f, p, k, num_probes, probes=sampler)
-            )
-            got = np_flatten(estimate(params, key))
+            got = np_flatten(hutchinson_diagonal(f, params, key, num_probes, probes=sampler))
             keys = [key] if num_probes == 1 else list(jax.random.split(key, num_probes))
             probes = [rademacher_probe(k, sampler) for k in keys]
             assert all(set(np.unique(u)) == {-1.0, 1.0} for u in probes)
@@ -323,19 +319,20 @@ def test_gnb_matches_numpy_softmax_regression():
         keys = [key] if num_probes == 1 else list(jax.random.split(key, num_probes))
         labels = [np.asarray(jax.random.categorical(k, logits)) for k in keys]
         want = numpy_gnb(x, params, labels)[0].mean(0)
-        estimate = jax.jit(lambda p, k: gnb_diagonal(logits_fn, loss_from_logits, p, k, num_probes))
-        got = estimate(params, key)
+        got = gnb_diagonal(logits_fn, loss_from_logits, params, key, num_probes)
         np.testing.assert_allclose(gnb_flat(got), want, rtol=1e-5, atol=1e-7)
 
     # Through the transform: one refresh puts (1 − b2)·ĥ into the EMA.
     tx = scale_by_sophia(0.9, 0.75, estimator="gnb", update_interval=1)
     state = tx.init(params)
-    update = jax.jit(
-        lambda g, s, p, k: tx.update(
-            g, s, p, logits_fn=logits_fn, loss_from_logits=loss_from_logits, hessian_key=k
-        )
+    _, state = tx.update(
+        jax.tree.map(jnp.zeros_like, params),
+        state,
+        params,
+        logits_fn=logits_fn,
+        loss_from_logits=loss_from_logits,
+        hessian_key=key,
     )
-    _, state = update(jax.tree.map(jnp.zeros_like, params), state, params, key)
     labels = [np.asarray(jax.random.categorical(key, logits))]
     np.testing.assert_allclose(
         gnb_flat(state.nu), 0.25 * numpy_gnb(x, params, labels)[0][0], rtol=1e-5, atol=1e-8
@@ -564,8 +561,7 @@ def test_battery_gnb():
     grads, params_c, grads_c = [draw() for _ in range(3)], draw(3), [draw(3) for _ in range(3)]
     tx = sophia(0.1, estimator="gnb", update_interval=2, num_probes=2)
     extra = {"logits_fn": logits_fn, "loss_from_logits": loss_from_logits}
-    # One compiled update serves the three checks (each client's slice has params' shapes).
-    kw = dict(extra_args_fn=lambda _: extra, update_jit=battery.JitUpdate(tx, extra))
+    kw = dict(extra_args_fn=lambda _: extra)
     battery.check_jit(tx, params, grads, **kw)
     battery.check_no_recompile(tx, params, grads, **kw)
     battery.check_vmap_matches_loop(tx, params_c, grads_c, shared_counters=True, **kw)
