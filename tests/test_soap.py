@@ -311,51 +311,48 @@ def run_both(shapes, kwargs, structure, steps=24, seed=0):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference_step_for_step(case):
+def test_matches_reference_step_for_step(x64, case):
     shapes, kwargs, structure = CASES[case]
-    with jax.enable_x64(True):
-        ours, theirs, state, ref = run_both(shapes, kwargs, structure)
-        assert state.count.dtype == jnp.int32 and int(state.count) == len(ours)
-        # moment_count counts the calls since the moments were zero, the update-free first one
-        # included: the reference's step (the bias correction's t) is moment_count - 1 after it.
-        assert state.moment_count.dtype == jnp.int32 and int(state.moment_count) == len(ours)
-        for t, (u, r) in enumerate(zip(ours, theirs, strict=True)):
-            for k in shapes:
-                assert u[k].dtype == jnp.float64
-                np.testing.assert_allclose(
-                    np.asarray(u[k]),
-                    r[k],
-                    rtol=RTOL,
-                    atol=ATOL,
-                    err_msg=f"{case}: leaf {k!r} at call {t} differs from the reference",
-                )
-        for i, k in enumerate(shapes):
-            st = ref.state[i]
-            ggs, qs = state.GG[k], state.Q[k]
-            assert len(ggs) == len(st["GG"])
-            for gg, gg_ref, q, q_ref in zip(ggs, st["GG"], qs, st["Q"], strict=True):
-                if len(gg_ref) == 0:
-                    assert gg is None and q is None, f"{case}/{k}: expected an unrotated axis"
-                    continue
-                # Factors are basis-free: compare directly.
-                np.testing.assert_allclose(np.asarray(gg), gg_ref, rtol=RTOL, atol=ATOL)
-                # Bases after a refresh are unique up to column signs.
-                q = np.asarray(q)
-                signs = np.sign(np.sum(q * q_ref, axis=0))
-                np.testing.assert_allclose(
-                    q * signs, q_ref, rtol=0, atol=1e-8, err_msg=f"{case}/{k} Q"
-                )
-            # First moment in the original space is basis-free; second moment is sign-free.
-            mu = np.asarray(jax.jit(project_back)(state.exp_avg[k], qs)).reshape(shapes[k])
-            mu_ref = ref.project_back(st["exp_avg"], st)
-            np.testing.assert_allclose(mu, mu_ref, rtol=RTOL, atol=ATOL, err_msg=f"{case}/{k} m")
+    ours, theirs, state, ref = run_both(shapes, kwargs, structure)
+    assert state.count.dtype == jnp.int32 and int(state.count) == len(ours)
+    # moment_count counts the calls since the moments were zero, the update-free first one
+    # included: the reference's step (the bias correction's t) is moment_count - 1 after it.
+    assert state.moment_count.dtype == jnp.int32 and int(state.moment_count) == len(ours)
+    for t, (u, r) in enumerate(zip(ours, theirs, strict=True)):
+        for k in shapes:
+            assert u[k].dtype == jnp.float64
             np.testing.assert_allclose(
-                np.asarray(state.exp_avg_sq[k]).reshape(shapes[k]),
-                st["exp_avg_sq"],
+                np.asarray(u[k]),
+                r[k],
                 rtol=RTOL,
                 atol=ATOL,
-                err_msg=f"{case}/{k} v",
+                err_msg=f"{case}: leaf {k!r} at call {t} differs from the reference",
             )
+    for i, k in enumerate(shapes):
+        st = ref.state[i]
+        ggs, qs = state.GG[k], state.Q[k]
+        assert len(ggs) == len(st["GG"])
+        for gg, gg_ref, q, q_ref in zip(ggs, st["GG"], qs, st["Q"], strict=True):
+            if len(gg_ref) == 0:
+                assert gg is None and q is None, f"{case}/{k}: expected an unrotated axis"
+                continue
+            # Factors are basis-free: compare directly.
+            np.testing.assert_allclose(np.asarray(gg), gg_ref, rtol=RTOL, atol=ATOL)
+            # Bases after a refresh are unique up to column signs.
+            q = np.asarray(q)
+            signs = np.sign(np.sum(q * q_ref, axis=0))
+            np.testing.assert_allclose(q * signs, q_ref, rtol=0, atol=1e-8, err_msg=f"{case}/{k} Q")
+        # First moment in the original space is basis-free; second moment is sign-free.
+        mu = np.asarray(jax.jit(project_back)(state.exp_avg[k], qs)).reshape(shapes[k])
+        mu_ref = ref.project_back(st["exp_avg"], st)
+        np.testing.assert_allclose(mu, mu_ref, rtol=RTOL, atol=ATOL, err_msg=f"{case}/{k} m")
+        np.testing.assert_allclose(
+            np.asarray(state.exp_avg_sq[k]).reshape(shapes[k]),
+            st["exp_avg_sq"],
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"{case}/{k} v",
+        )
 
 
 def test_first_step_builds_basis_and_makes_no_update():
@@ -428,7 +425,7 @@ def test_float32_and_bfloat16_state_track_float64_reference():
 # soap(): decoupled weight decay multiplied by the learning rate.
 
 
-def test_soap_equals_reference_without_decay_and_documented_decay_difference():
+def test_soap_equals_reference_without_decay_and_documented_decay_difference(x64):
     """soap(lr, weight_decay=0) equals the reference exactly; with decay, ours is
     x − lr(u + λx) while the reference decays after the step, (x − lr·u)(1 − lr·λ), and skips the
     first step entirely: the difference is lr²λu (lr·λ·x on call 1), an identity checked here."""
@@ -437,33 +434,32 @@ def test_soap_equals_reference_without_decay_and_documented_decay_difference():
     grads = gradient_sequence(3, shapes, 8)
     lr, wd = 0.1, 0.3
     apply = jax.jit(optax.apply_updates)
-    with jax.enable_x64(True):
-        x = {k: jnp.asarray(np.random.default_rng(4).normal(size=s)) for k, s in shapes.items()}
-        for decay in (0.0, wd):
-            tx = soap(lr, weight_decay=decay, precondition_frequency=2)
-            dir_tx = scale_by_soap(precondition_frequency=2)
-            state, dir_state = tx.init(x), dir_tx.init(x)
-            assert isinstance(state[0], SoapState)
-            # Jitted (one program each, not op-by-op dispatch); float64 far above rounding.
-            update, dir_update = jax.jit(tx.update), jax.jit(dir_tx.update)
-            ref = RefSOAP(list(x.values()), lr=lr, weight_decay=decay, precondition_frequency=2)
-            for t, g in enumerate(grads):
-                gj = {k: jnp.asarray(v) for k, v in g.items()}
-                ref.params = [np.asarray(x[k]) for k in names]  # the state ignores params
-                ref_new = ref.step([g[k] for k in names])
-                u, state = update(gj, state, x)
-                d, dir_state = dir_update(gj, dir_state)
-                new = apply(x, u)
-                for k, r in zip(names, ref_new, strict=True):
-                    xk, dk = np.asarray(x[k]), np.asarray(d[k])
-                    np.testing.assert_allclose(
-                        np.asarray(u[k]), -lr * (dk + decay * xk), rtol=1e-12, atol=1e-14
-                    )
-                    gap = lr * decay * xk if t == 0 else lr**2 * decay * dk
-                    np.testing.assert_allclose(
-                        np.asarray(new[k]) + gap, r, rtol=RTOL, atol=ATOL, err_msg=f"{k} call {t}"
-                    )
-                x = new
+    x = {k: jnp.asarray(np.random.default_rng(4).normal(size=s)) for k, s in shapes.items()}
+    for decay in (0.0, wd):
+        tx = soap(lr, weight_decay=decay, precondition_frequency=2)
+        dir_tx = scale_by_soap(precondition_frequency=2)
+        state, dir_state = tx.init(x), dir_tx.init(x)
+        assert isinstance(state[0], SoapState)
+        # Jitted (one program each, not op-by-op dispatch); float64 far above rounding.
+        update, dir_update = jax.jit(tx.update), jax.jit(dir_tx.update)
+        ref = RefSOAP(list(x.values()), lr=lr, weight_decay=decay, precondition_frequency=2)
+        for t, g in enumerate(grads):
+            gj = {k: jnp.asarray(v) for k, v in g.items()}
+            ref.params = [np.asarray(x[k]) for k in names]  # the state ignores params
+            ref_new = ref.step([g[k] for k in names])
+            u, state = update(gj, state, x)
+            d, dir_state = dir_update(gj, dir_state)
+            new = apply(x, u)
+            for k, r in zip(names, ref_new, strict=True):
+                xk, dk = np.asarray(x[k]), np.asarray(d[k])
+                np.testing.assert_allclose(
+                    np.asarray(u[k]), -lr * (dk + decay * xk), rtol=1e-12, atol=1e-14
+                )
+                gap = lr * decay * xk if t == 0 else lr**2 * decay * dk
+                np.testing.assert_allclose(
+                    np.asarray(new[k]) + gap, r, rtol=RTOL, atol=ATOL, err_msg=f"{k} call {t}"
+                )
+            x = new
 
 
 # --------------------------------------------------------------------------------------
@@ -573,89 +569,87 @@ def client_states(num_clients=3, steps=5, freq=2):
     return tx, shapes, state_C
 
 
-def test_average_soap_states_rule():
+def test_average_soap_states_rule(x64):
     """Averaged L/R = NumPy mean; new Q = eigh basis of the mean (orthogonal, diagonalizing,
     descending); m in the original space = mean of the clients' m mapped back with their own
     bases; v = mean; the count passes through; average_states dispatches to the rule."""
-    with jax.enable_x64(True):
-        _, shapes, state_C = client_states()
-        avg = jax.jit(federated.average_states)(state_C)
-        assert isinstance(avg, SoapState)
-        assert int(avg.count) == int(state_C.count)
-        assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count)
-        back = jax.jit(project_back)  # one program per leaf, not op-by-op dispatch
-        for k in shapes:
-            mu_back_C = [
-                np.asarray(
-                    back(
-                        state_C.exp_avg[k][c],
-                        tuple(None if q is None else q[c] for q in state_C.Q[k]),
-                    )
+    _, shapes, state_C = client_states()
+    avg = jax.jit(federated.average_states)(state_C)
+    assert isinstance(avg, SoapState)
+    assert int(avg.count) == int(state_C.count)
+    assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count)
+    back = jax.jit(project_back)  # one program per leaf, not op-by-op dispatch
+    for k in shapes:
+        mu_back_C = [
+            np.asarray(
+                back(
+                    state_C.exp_avg[k][c],
+                    tuple(None if q is None else q[c] for q in state_C.Q[k]),
                 )
-                for c in range(3)
-            ]
-            mu_back = np.asarray(back(avg.exp_avg[k], avg.Q[k]))
-            np.testing.assert_allclose(mu_back, np.mean(mu_back_C, axis=0), rtol=1e-12, atol=1e-14)
-            np.testing.assert_allclose(
-                np.asarray(avg.exp_avg_sq[k]),
-                np.mean(np.asarray(state_C.exp_avg_sq[k]), axis=0),
-                rtol=1e-14,
             )
-            for gg_C, gg, q in zip(state_C.GG[k], avg.GG[k], avg.Q[k], strict=True):
-                if gg_C is None:
-                    assert gg is None and q is None
-                    continue
-                mean = np.mean(np.asarray(gg_C), axis=0)
-                np.testing.assert_allclose(np.asarray(gg), mean, rtol=1e-14)
-                q = np.asarray(q)
-                np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
-                d = q.T @ mean @ q
-                np.testing.assert_allclose(d, np.diag(np.diag(d)), atol=1e-12)
-                assert np.all(np.diff(np.diag(d)) <= 1e-12), "eigenvalues must be descending"
-        # The registered rule and the direct call agree; a stacked count is accepted too.
-        direct = jax.jit(average_soap_states)(state_C._replace(count=jnp.full(3, state_C.count)))
-        for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(avg), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
+            for c in range(3)
+        ]
+        mu_back = np.asarray(back(avg.exp_avg[k], avg.Q[k]))
+        np.testing.assert_allclose(mu_back, np.mean(mu_back_C, axis=0), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(
+            np.asarray(avg.exp_avg_sq[k]),
+            np.mean(np.asarray(state_C.exp_avg_sq[k]), axis=0),
+            rtol=1e-14,
+        )
+        for gg_C, gg, q in zip(state_C.GG[k], avg.GG[k], avg.Q[k], strict=True):
+            if gg_C is None:
+                assert gg is None and q is None
+                continue
+            mean = np.mean(np.asarray(gg_C), axis=0)
+            np.testing.assert_allclose(np.asarray(gg), mean, rtol=1e-14)
+            q = np.asarray(q)
+            np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
+            d = q.T @ mean @ q
+            np.testing.assert_allclose(d, np.diag(np.diag(d)), atol=1e-12)
+            assert np.all(np.diff(np.diag(d)) <= 1e-12), "eigenvalues must be descending"
+    # The registered rule and the direct call agree; a stacked count is accepted too.
+    direct = jax.jit(average_soap_states)(state_C._replace(count=jnp.full(3, state_C.count)))
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(avg), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
 
 
-def test_average_of_identical_states_preserves_the_direction():
+def test_average_of_identical_states_preserves_the_direction(x64):
     """Averaging C copies of one state whose basis is the eigh basis of its factors gives back
     that state up to eigenvector signs: the next update from the averaged state equals the next
     update from the original one (basis-sign invariant)."""
-    with jax.enable_x64(True):
-        tx, shapes, state_C = client_states(steps=5, freq=100)
-        first_client = lambda tree: jax.tree.map(lambda x: x[0], tree)
-        # count and moment_count are shared
-        one = SoapState(state_C.count, *map(first_client, state_C[1:-1]), state_C.moment_count)
-        # Make Q the eigh basis of GG (as the rule rebuilds it), moving m with it.
-        # Jitted: one program each instead of op-by-op dispatch.
-        qs = {
-            k: tuple(None if gg is None else jax.jit(eigenbasis)(gg) for gg in one.GG[k])
-            for k in shapes
-        }
-        move = jax.jit(lambda m, q_old, q_new: project(project_back(m, q_old), q_new))
-        mus = {k: move(one.exp_avg[k], one.Q[k], qs[k]) for k in shapes}
-        one = one._replace(Q=qs, exp_avg=mus)
-        stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 4), tree)
-        stacked = SoapState(one.count, *map(stack, one[1:-1]), one.moment_count)
-        avg = jax.jit(average_soap_states)(stacked)
-        for k in shapes:  # the rebuilt bases equal the original ones up to column signs
-            for q_avg, q in zip(avg.Q[k], one.Q[k], strict=True):
-                if q is not None:
-                    np.testing.assert_allclose(
-                        np.abs(np.asarray(q_avg).T @ np.asarray(q)), np.eye(len(q)), atol=1e-8
-                    )
-        g = {k: jnp.asarray(np.random.default_rng(8).normal(size=s)) for k, s in shapes.items()}
-        update = jax.jit(tx.update)
-        u_one, _ = update(g, one)
-        u_avg, _ = update(g, avg)
-        for k in shapes:
-            np.testing.assert_allclose(
-                np.asarray(u_avg[k]), np.asarray(u_one[k]), rtol=1e-9, atol=1e-11
-            )
-            for a, b in zip(avg.GG[k], one.GG[k], strict=True):
-                if b is not None:
-                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-14)
+    tx, shapes, state_C = client_states(steps=5, freq=100)
+    first_client = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    # count and moment_count are shared
+    one = SoapState(state_C.count, *map(first_client, state_C[1:-1]), state_C.moment_count)
+    # Make Q the eigh basis of GG (as the rule rebuilds it), moving m with it.
+    # Jitted: one program each instead of op-by-op dispatch.
+    qs = {
+        k: tuple(None if gg is None else jax.jit(eigenbasis)(gg) for gg in one.GG[k])
+        for k in shapes
+    }
+    move = jax.jit(lambda m, q_old, q_new: project(project_back(m, q_old), q_new))
+    mus = {k: move(one.exp_avg[k], one.Q[k], qs[k]) for k in shapes}
+    one = one._replace(Q=qs, exp_avg=mus)
+    stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 4), tree)
+    stacked = SoapState(one.count, *map(stack, one[1:-1]), one.moment_count)
+    avg = jax.jit(average_soap_states)(stacked)
+    for k in shapes:  # the rebuilt bases equal the original ones up to column signs
+        for q_avg, q in zip(avg.Q[k], one.Q[k], strict=True):
+            if q is not None:
+                np.testing.assert_allclose(
+                    np.abs(np.asarray(q_avg).T @ np.asarray(q)), np.eye(len(q)), atol=1e-8
+                )
+    g = {k: jnp.asarray(np.random.default_rng(8).normal(size=s)) for k, s in shapes.items()}
+    update = jax.jit(tx.update)
+    u_one, _ = update(g, one)
+    u_avg, _ = update(g, avg)
+    for k in shapes:
+        np.testing.assert_allclose(
+            np.asarray(u_avg[k]), np.asarray(u_one[k]), rtol=1e-9, atol=1e-11
+        )
+        for a, b in zip(avg.GG[k], one.GG[k], strict=True):
+            if b is not None:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-14)
 
 
 # --------------------------------------------------------------------------------------
@@ -709,7 +703,7 @@ def _np_low_rank(x, k):
     return (u[:, :k] * s[:k]) @ vt[:k]
 
 
-def test_light_upload_compresses_factors_and_moments_never_the_bases():
+def test_light_upload_compresses_factors_and_moments_never_the_bases(x64):
     """FedPAC_SOAP_light on a 20 x 30 leaf (ratio 0.1: k = 2 for m and L, 3 for R).
 
     The round's compression (``fed.round._compress_state``, the upload mask of SOAP) leaves Q
@@ -724,78 +718,73 @@ def test_light_upload_compresses_factors_and_moments_never_the_bases():
     from fedorth.optim.compress import compress_tree
 
     num_clients, ratio = 3, 0.1
-    with jax.enable_x64(True):
-        # Client states as after some SOAP steps: PSD factors, their eigenbases (descending),
-        # moments in each client's basis (a state, not a trajectory: no SOAP step compiled).
-        rng = np.random.default_rng(11)
-        a_C = rng.normal(size=(num_clients, 20, 30)) * np.linspace(0.2, 2.0, 30)
-        factors = (a_C @ a_C.transpose(0, 2, 1), a_C.transpose(0, 2, 1) @ a_C)
-        bases = tuple(np.linalg.eigh(f)[1][..., ::-1] for f in factors)
-        axes = SoapState(count=None, exp_avg=0, exp_avg_sq=0, GG=0, Q=0, moment_count=None)
-        state_C = SoapState(
-            count=jnp.asarray(7, jnp.int32),
-            exp_avg={"w": jnp.asarray(rng.normal(size=(num_clients, 20, 30)))},
-            exp_avg_sq={"w": jnp.asarray(rng.uniform(size=(num_clients, 20, 30)))},
-            GG={"w": tuple(map(jnp.asarray, factors))},
-            Q={"w": tuple(map(jnp.asarray, bases))},
-            moment_count=jnp.asarray(6, jnp.int32),
-        )
-        compress = jax.vmap(lambda st: _compress_state(st, ratio), in_axes=(axes,), out_axes=axes)
-        light_C = jax.jit(compress)(state_C)
-        average = jax.jit(
-            lambda st: (lambda a: (a, project_back(a.exp_avg["w"], a.Q["w"])))(
-                average_soap_states(st)
+    # Client states as after some SOAP steps: PSD factors, their eigenbases (descending),
+    # moments in each client's basis (a state, not a trajectory: no SOAP step compiled).
+    rng = np.random.default_rng(11)
+    a_C = rng.normal(size=(num_clients, 20, 30)) * np.linspace(0.2, 2.0, 30)
+    factors = (a_C @ a_C.transpose(0, 2, 1), a_C.transpose(0, 2, 1) @ a_C)
+    bases = tuple(np.linalg.eigh(f)[1][..., ::-1] for f in factors)
+    axes = SoapState(count=None, exp_avg=0, exp_avg_sq=0, GG=0, Q=0, moment_count=None)
+    state_C = SoapState(
+        count=jnp.asarray(7, jnp.int32),
+        exp_avg={"w": jnp.asarray(rng.normal(size=(num_clients, 20, 30)))},
+        exp_avg_sq={"w": jnp.asarray(rng.uniform(size=(num_clients, 20, 30)))},
+        GG={"w": tuple(map(jnp.asarray, factors))},
+        Q={"w": tuple(map(jnp.asarray, bases))},
+        moment_count=jnp.asarray(6, jnp.int32),
+    )
+    compress = jax.vmap(lambda st: _compress_state(st, ratio), in_axes=(axes,), out_axes=axes)
+    light_C = jax.jit(compress)(state_C)
+    average = jax.jit(
+        lambda st: (lambda a: (a, project_back(a.exp_avg["w"], a.Q["w"])))(average_soap_states(st))
+    )
+    for q, q_light in zip(state_C.Q["w"], light_C.Q["w"], strict=True):
+        np.testing.assert_array_equal(np.asarray(q_light), np.asarray(q))
+
+    mu_C = np.asarray(state_C.exp_avg["w"])
+    ql_C, qr_C = (np.asarray(q) for q in state_C.Q["w"])
+    back_C = [ql_C[c] @ mu_C[c] @ qr_C[c].T for c in range(num_clients)]
+    expected = np.mean([_np_low_rank(b, 2) for b in back_C], axis=0)
+    exact = np.mean(back_C, axis=0)
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    def first_moment(stack):
+        avg, back = average(stack)
+        for q in avg.Q["w"]:
+            q = np.asarray(q)
+            np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
+        return np.asarray(back), avg
+
+    got, avg = first_moment(light_C)
+    assert rel(got, expected) < 1e-12, rel(got, expected)
+    assert rel(got, exact) > 1e-3  # the momentum itself was truncated, as uploaded
+    for gg_C, gg, k in zip(state_C.GG["w"], avg.GG["w"], (2, 3), strict=True):
+        mean = np.mean([_np_low_rank(np.asarray(f), k) for f in gg_C], axis=0)
+        np.testing.assert_allclose(np.asarray(gg), mean, rtol=1e-10, atol=1e-14)
+
+    def only(fields):
+        def mask(st):
+            return jax.tree.map(
+                lambda _, keep: keep,
+                st,
+                SoapState(
+                    count=False,
+                    moment_count=False,
+                    **{
+                        f: jax.tree.map(lambda _: f in fields, getattr(st, f))
+                        for f in ("exp_avg", "exp_avg_sq", "GG", "Q")
+                    },
+                ),
             )
-        )
-        for q, q_light in zip(state_C.Q["w"], light_C.Q["w"], strict=True):
-            np.testing.assert_array_equal(np.asarray(q_light), np.asarray(q))
 
-        mu_C = np.asarray(state_C.exp_avg["w"])
-        ql_C, qr_C = (np.asarray(q) for q in state_C.Q["w"])
-        back_C = [ql_C[c] @ mu_C[c] @ qr_C[c].T for c in range(num_clients)]
-        expected = np.mean([_np_low_rank(b, 2) for b in back_C], axis=0)
-        exact = np.mean(back_C, axis=0)
-        rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+        return jax.jit(
+            jax.vmap(lambda st: compress_tree(st, mask(st), ratio), in_axes=(axes,), out_axes=axes)
+        )(state_C)
 
-        def first_moment(stack):
-            avg, back = average(stack)
-            for q in avg.Q["w"]:
-                q = np.asarray(q)
-                np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
-            return np.asarray(back), avg
-
-        got, avg = first_moment(light_C)
-        assert rel(got, expected) < 1e-12, rel(got, expected)
-        assert rel(got, exact) > 1e-3  # the momentum itself was truncated, as uploaded
-        for gg_C, gg, k in zip(state_C.GG["w"], avg.GG["w"], (2, 3), strict=True):
-            mean = np.mean([_np_low_rank(np.asarray(f), k) for f in gg_C], axis=0)
-            np.testing.assert_allclose(np.asarray(gg), mean, rtol=1e-10, atol=1e-14)
-
-        def only(fields):
-            def mask(st):
-                return jax.tree.map(
-                    lambda _, keep: keep,
-                    st,
-                    SoapState(
-                        count=False,
-                        moment_count=False,
-                        **{
-                            f: jax.tree.map(lambda _: f in fields, getattr(st, f))
-                            for f in ("exp_avg", "exp_avg_sq", "GG", "Q")
-                        },
-                    ),
-                )
-
-            return jax.jit(
-                jax.vmap(
-                    lambda st: compress_tree(st, mask(st), ratio), in_axes=(axes,), out_axes=axes
-                )
-            )(state_C)
-
-        got_lr, _ = first_moment(only(("GG",)))
-        assert rel(got_lr, exact) < 1e-12, rel(got_lr, exact)
-        got_bug = np.asarray(average(only(("GG", "Q")))[1])
-        assert rel(got_bug, exact) > 0.5, rel(got_bug, exact)
+    got_lr, _ = first_moment(only(("GG",)))
+    assert rel(got_lr, exact) < 1e-12, rel(got_lr, exact)
+    got_bug = np.asarray(average(only(("GG", "Q")))[1])
+    assert rel(got_bug, exact) > 0.5, rel(got_bug, exact)
 
 
 # --------------------------------------------------------------------------------------
