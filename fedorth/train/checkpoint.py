@@ -136,6 +136,36 @@ def _collect_abandoned_reads() -> None:
         sys.unraisablehook = hook
 
 
+def _abandoned_read(unraisable) -> bool:
+    """Whether an unraisable exception is orbax's abandoned read (or its callback into a closed
+    event loop): the two kinds ``_collect_abandoned_reads`` collects."""
+    if "_read_array_index_and_device_put" in repr(unraisable.object):
+        return True
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError)
+    return (
+        unraisable.object is None
+        and closed_loop
+        and "Event loop is closed" in str(unraisable.exc_value)
+    )
+
+
+def drop_abandoned_read_reports() -> None:
+    """For a command's whole process: orbax's abandoned reads that the garbage collector
+    finalizes later than ``_collect_abandoned_reads`` (at any point of the run) are dropped,
+    not printed as "Exception ignored in: <coroutine _read_array_index_and_device_put>" after
+    the one line that reported the unreadable checkpoint; every other unraisable exception goes
+    to the hook there was. Installed by the command-line entry points, not on import."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if _abandoned_read(unraisable):
+            logging.debug("%s", unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def _warn(message: str) -> None:
     # Python's last-resort handler prints warnings to stderr even when logging is unconfigured.
     logging.warning(message)
