@@ -90,6 +90,39 @@ def candidates(config: RoundConfig, choose_conv_impl: bool) -> dict[str, tuple[s
     }
 
 
+def time_compile_and_run(
+    calls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]],
+    timer: Callable[[], float],
+) -> tuple[dict[str, dict[str, Any]], dict[str, BaseException]]:
+    """Times each candidate's compilation and one execution, in the order given.
+
+    ``calls[name] = (compile, run)``: ``compile()`` returns the compiled program, ``run(compiled)``
+    executes it once (waited for). A candidate whose compilation or execution fails in XLA (e.g.
+    out of memory) is skipped: its timing is ``{"error": type and first line}`` and the error is
+    returned in ``errors``. Shared by the clients' measured strategy (``measure_strategies``) and
+    the replicas' (``fedorth.sweep.strategy``).
+
+    Returns:
+      ``({name: {"compile_s", "run_s"} or {"error"}}, {name: error})``.
+    """
+    timings: dict[str, dict[str, Any]] = {}
+    errors: dict[str, BaseException] = {}
+    for name, (compile_fn, run) in calls.items():
+        try:
+            start = timer()
+            compiled = compile_fn()
+            compiled_at = timer()
+            jax.block_until_ready(run(compiled))
+            end = timer()
+        except jax.errors.JaxRuntimeError as error:
+            errors[name] = error
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            timings[name] = {"error": f"{type(error).__name__}: {first_line[:200]}"}
+            continue
+        timings[name] = {"compile_s": compiled_at - start, "run_s": end - compiled_at}
+    return timings, errors
+
+
 def measure_strategies(
     candidates: dict[str, RoundFn],
     server: ServerState,
@@ -117,21 +150,19 @@ def measure_strategies(
     Raises:
       RoundOutOfMemoryError: every candidate ran out of device memory.
     """
-    timings: dict[str, dict[str, Any]] = {}
-    errors: dict[str, BaseException] = {}
-    for name, round_fn in candidates.items():
-        try:
-            start = timer()
-            compiled = round_fn.lower(server, data).compile()
-            compiled_at = timer()
-            jax.block_until_ready(compiled(*round_fn._arguments(_copy_tree(server), data)))
-            end = timer()
-        except jax.errors.JaxRuntimeError as error:
-            errors[name] = error
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            timings[name] = {"error": f"{type(error).__name__}: {first_line[:200]}"}
-            continue
-        timings[name] = {"compile_s": compiled_at - start, "round_s": end - compiled_at}
+
+    def compile_and_run(round_fn: RoundFn) -> tuple[Callable, Callable]:
+        return (
+            lambda: round_fn.lower(server, data).compile(),
+            lambda compiled: compiled(*round_fn._arguments(_copy_tree(server), data)),
+        )
+
+    timings, errors = time_compile_and_run(
+        {name: compile_and_run(round_fn) for name, round_fn in candidates.items()}, timer
+    )
+    for timing in timings.values():
+        if "run_s" in timing:
+            timing["round_s"] = timing.pop("run_s")
     timed = [name for name in candidates if "round_s" in timings[name]]
     if not timed:
         out_of_memory = [name for name in candidates if is_out_of_memory(errors[name])]

@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 
 from fedorth import fed
+from fedorth.fed.memory import is_out_of_memory
 from fedorth.sweep import strategy as strategy_lib
 from fedorth.sweep.grid import SweepError, replica_name, set_key
 from fedorth.sweep.strategy import REPLICA_STRATEGIES, resolve_replica_strategy  # noqa: F401
@@ -352,7 +353,7 @@ class ReplicaRound:
                     state, self._unit_data(unit), self._unit_values(unit)
                 )
             except jax.errors.JaxRuntimeError as error:
-                if not strategy_lib.is_out_of_memory(error):
+                if not is_out_of_memory(error):
                     raise
                 raise fed.RoundOutOfMemoryError(
                     strategy_lib.out_of_memory_message(self.strategy, self.chunk_size)

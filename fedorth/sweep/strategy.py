@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedorth.fed import execution
+from fedorth.fed import autotune, execution
 from fedorth.sweep.grid import SweepError
 
 REPLICA_STRATEGIES = ("auto", "sequential", "vmap")
@@ -93,28 +93,22 @@ def measure_replica_strategies(
       ``{"strategy": the fastest, "rule": "measured", "backend", "candidates": {name:
       {"compile_s", "unit_s", "units", "round_s"} or {"error"}}}``.
     """
-    timings: dict[str, dict[str, Any]] = {}
-    errors: dict[str, BaseException] = {}
-    for name, candidate in candidates.items():
+
+    def compile_and_run(candidate: Candidate) -> tuple[Callable, Callable]:
         states, data, values = candidate.arguments
-        try:
-            start = timer()
-            compiled = candidate.step.lower(states, data, values).compile()
-            compiled_at = timer()
-            jax.block_until_ready(compiled(jax.tree.map(jnp.copy, states), data, values))
-            end = timer()
-        except jax.errors.JaxRuntimeError as error:
-            errors[name] = error
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            timings[name] = {"error": f"{type(error).__name__}: {first_line[:200]}"}
-            continue
-        unit_s = end - compiled_at
-        timings[name] = {
-            "compile_s": compiled_at - start,
-            "unit_s": unit_s,
-            "units": candidate.units,
-            "round_s": unit_s * candidate.units,
-        }
+        return (
+            lambda: candidate.step.lower(states, data, values).compile(),
+            lambda compiled: compiled(jax.tree.map(jnp.copy, states), data, values),
+        )
+
+    timings, errors = autotune.time_compile_and_run(
+        {name: compile_and_run(candidate) for name, candidate in candidates.items()}, timer
+    )
+    for name, timing in timings.items():
+        if "run_s" in timing:
+            unit_s = timing.pop("run_s")
+            units = candidates[name].units
+            timing.update(unit_s=unit_s, units=units, round_s=unit_s * units)
     timed = [name for name in candidates if "round_s" in timings[name]]
     if not timed:
         raise errors[next(iter(candidates))]
@@ -128,10 +122,6 @@ def measure_replica_strategies(
     }
     _logger.info(describe_selection(selection))
     return selection
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
 def out_of_memory_message(strategy: str, chunk_size: int) -> str:
