@@ -27,7 +27,7 @@ import pytest
 
 from configs import fedavg, fedcm, fedmuon, fedpac_soap, scaffold
 from fedorth.sweep import Grid, ReplicaRound, SweepError
-from fedorth.sweep.grid import get_key, parse_sweep_argv, replica_name, set_key
+from fedorth.sweep.grid import get_key, parse_sweep_argv, set_key
 from fedorth.train import builders
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -279,13 +279,7 @@ def star_round(name: str, keys: dict, tiny_kwargs: dict, replica_strategy: str) 
     grid = Grid(config, {key: list(pair) for key, pair in keys.items()})
     centre = {key: pair[0] for key, pair in keys.items()}
     replicas = [centre] + [{**centre, key: pair[1]} for key, pair in keys.items()]
-    return ReplicaRound(
-        [grid.replica_config(values) for values in replicas],
-        replicas,
-        grid.traced_keys,
-        [replica_name(values) for values in replicas],
-        strategy=replica_strategy,
-    )
+    return ReplicaRound.from_grid(grid, replicas=replicas, strategy=replica_strategy)
 
 
 @pytest.mark.parametrize(

@@ -171,9 +171,13 @@ class ReplicaRound:
             self._adopt(self._plan(resolve_replica_strategy(strategy), chunk_size))
 
     @classmethod
-    def from_grid(cls, grid, *, strategy: str = "auto", chunk_size: int = 0, **kwargs):
-        """The replicas of a :class:`fedorth.sweep.Grid`, named by :func:`replica_name`."""
-        replicas = grid.replicas()
+    def from_grid(
+        cls, grid, *, replicas=None, strategy: str = "auto", chunk_size: int = 0, **kwargs
+    ):
+        """The replicas of a :class:`fedorth.sweep.Grid` (every combination of its values, or
+        the given ``replicas``: a list of ``{key: value}`` over its keys), named by
+        :func:`replica_name`."""
+        replicas = grid.replicas() if replicas is None else replicas
         return cls(
             [grid.replica_config(values) for values in replicas],
             replicas,
