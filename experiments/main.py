@@ -100,10 +100,10 @@ def _terminate(signum, frame):
 
 def main(argv):
     from fedorth import train
-    from fedorth.train.checkpoint import drop_abandoned_read_reports
+    from fedorth.train.checkpoint import drop_abandoned_io_reports
     from fedorth.train.logging_utils import ClosedOutputSafe
 
-    drop_abandoned_read_reports()  # a corrupted checkpoint's report stays one line
+    drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
     # A reader that goes away (`... | head`) must not stop the run: its files are its result.
     sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
     signal.signal(signal.SIGTERM, _terminate)

@@ -70,9 +70,9 @@ def main(argv):
     from fedorth.sweep import Grid, SweepError
     from fedorth.sweep.grid import config_section
     from fedorth.sweep.runner import run_sweep
-    from fedorth.train.checkpoint import drop_abandoned_read_reports
+    from fedorth.train.checkpoint import drop_abandoned_io_reports
 
-    drop_abandoned_read_reports()  # a corrupted checkpoint's report stays one line
+    drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:

@@ -1478,11 +1478,11 @@ if __name__ == "__main__":
 
 
 _ABANDONED_READS = """
-import sys, types
+import asyncio, sys, types
 from fedorth.train import checkpoint
 
 if sys.argv[1] == "hook":
-    checkpoint.drop_abandoned_read_reports()
+    checkpoint.drop_abandoned_io_reports()
 
 
 @types.coroutine
@@ -1508,11 +1508,27 @@ for make in (_read_array_index_and_device_put, _another_coroutine):
     coroutine = make()
     coroutine.send(None)
     del coroutine  # finalized now: GeneratorExit, then the finally's RuntimeError is unraisable
+
+
+async def _open_and_write():  # the name of orbax's write
+    raise RuntimeError("abandoned write")
+
+
+async def _another_task():
+    raise RuntimeError("another task failure")
+
+
+loop = asyncio.new_event_loop()
+for make in (_open_and_write, _another_task):
+    task = loop.create_task(make())
+    loop.run_until_complete(asyncio.sleep(0))  # the task fails; nobody retrieves its exception
+    del task  # finalized now: asyncio logs "Task exception was never retrieved"
+loop.close()
 print("done")
 """
 
 
-def test_the_commands_drop_late_reports_of_orbaxs_abandoned_reads_only():
+def test_the_commands_drop_late_reports_of_orbaxs_abandoned_reads_and_writes_only():
     """A corrupted checkpoint's one line must stay one: orbax's abandoned reads can be finalized
     after the fallback's own garbage collection, each printed as "Exception ignored in:
     <coroutine _read_array_index_and_device_put>". The hook the commands install (in a real
@@ -1533,3 +1549,10 @@ def test_the_commands_drop_late_reports_of_orbaxs_abandoned_reads_only():
     assert "_read_array_index_and_device_put" not in runs["hook"].stderr, runs["hook"].stderr
     assert "abandoned read" not in runs["hook"].stderr
     assert "another failure" in runs["hook"].stderr and "_another_coroutine" in runs["hook"].stderr
+    # A full disk's save: its abandoned writes, reported by asyncio when they are finalized.
+    assert "_open_and_write" in runs["plain"].stderr and "abandoned write" in runs["plain"].stderr
+    assert (
+        "_open_and_write" not in runs["hook"].stderr
+        and "abandoned write" not in runs["hook"].stderr
+    )
+    assert "another task failure" in runs["hook"].stderr and "_another_task" in runs["hook"].stderr

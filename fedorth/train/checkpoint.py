@@ -149,12 +149,17 @@ def _abandoned_read(unraisable) -> bool:
     )
 
 
-def drop_abandoned_read_reports() -> None:
-    """For a command's whole process: orbax's abandoned reads that the garbage collector
-    finalizes later than ``_collect_abandoned_reads`` (at any point of the run) are dropped,
-    not printed as "Exception ignored in: <coroutine _read_array_index_and_device_put>" after
-    the one line that reported the unreadable checkpoint; every other unraisable exception goes
-    to the hook there was. Installed by the command-line entry points, not on import."""
+def drop_abandoned_io_reports() -> None:
+    """For a command's whole process: the late reports of orbax's abandoned reads and writes are
+    dropped, so that the one line reporting an unreadable checkpoint or a full disk stays one.
+
+    The garbage collector can finalize them later than ``_collect_abandoned_reads``, at any
+    point of the run: an abandoned read prints "Exception ignored in: <coroutine
+    _read_array_index_and_device_put>", an abandoned write of a save that failed (a full disk)
+    logs asyncio's "Task exception was never retrieved" for ``_open_and_write``, each with a
+    TensorStore spec dump and a traceback. Every other unraisable exception goes to the hook
+    there was, every other asyncio report is logged. Installed by the command-line entry
+    points, not on import."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -164,6 +169,21 @@ def drop_abandoned_read_reports() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_not_an_abandoned_write)
+
+
+def _not_an_abandoned_write(record: logging.LogRecord) -> bool:
+    """A logging filter: False for asyncio's report of an orbax write task whose failure nobody
+    retrieved (the save it belonged to has already raised, and was reported)."""
+    message = record.getMessage()
+    return not (
+        message.startswith("Task exception was never retrieved")
+        and any(name in message for name in _ORBAX_IO_COROUTINES)
+    )
+
+
+# The coroutines of orbax's array reads and writes (orbax.checkpoint type handlers).
+_ORBAX_IO_COROUTINES = ("_open_and_write()", "_read_array_index_and_device_put()")
 
 
 def _warn(message: str) -> None:
