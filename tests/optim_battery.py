@@ -273,16 +273,22 @@ def check_clip_chain(
     atol=1e-6,
     update_jit: JitUpdate | None = None,
 ):
-    """`chain(clip_by_global_norm(c), tx)` equals `tx` fed the clipped gradients."""
+    """`chain(clip_by_global_norm(c), tx)` equals `tx` fed the clipped gradients.
+
+    The chain runs eagerly (op by op: the ops of `tx` are those `check_jit` already ran at these
+    shapes, so no new program of the whole update is compiled) against the jitted `tx`; jit ==
+    eager is `check_jit`'s assertion."""
     extra = _extra(extra_args_fn, loss_fn)
     chained = optax.chain(optax.clip_by_global_norm(max_norm), tx)
     s_chain, s_ref = chained.init(params), tx.init(params)
-    update_chain = fast_jit(lambda g, s, p: chained.update(g, s, p, **extra))
     update_ref = _update_jit(tx, extra, update_jit)
     for t, g in enumerate(grads_seq):
-        norm = optax.global_norm(g)
-        clipped = jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / norm), g)
-        u_chain, s_chain = update_chain(g, s_chain, params)
+        norm = np.sqrt(
+            sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(g))
+        )
+        scale = np.float32(min(1.0, max_norm / norm))
+        clipped = jax.tree.map(lambda x: (np.asarray(x) * scale).astype(x.dtype), g)
+        u_chain, s_chain = chained.update(g, s_chain, params, **extra)
         u_ref, s_ref = update_ref(clipped, s_ref, params)
         _assert_trees_close(u_chain, u_ref, rtol=rtol, atol=atol, what=f"clip chain step {t}")
 
@@ -302,12 +308,14 @@ def check_inject_hyperparams(
     """`optax.inject_hyperparams(factory)(**kwargs)` equals `factory(**kwargs)`, and doubling the
     injected `learning_rate` doubles the first update (every fedorth optimizer ends with
     `scale_by_learning_rate`). Integer hyperparameters that fix the program (e.g. `ns_steps`)
-    must be listed in `static_args`."""
+    must be listed in `static_args`. The plain transform runs eagerly (op by op, the ops
+    `check_jit` runs at these shapes; jit == eager is its assertion): one compiled program, the
+    injected update."""
     extra = _extra(extra_args_fn, loss_fn)
     plain = factory(**kwargs)
     injected = optax.inject_hyperparams(factory, static_args=static_args)(**kwargs)
     update_inj = fast_jit(lambda g, s, p: injected.update(g, s, p, **extra))
-    update_plain = fast_jit(lambda g, s, p: plain.update(g, s, p, **extra))
+    update_plain = lambda g, s, p: plain.update(g, s, p, **extra)  # noqa: E731
     s_plain, s_inj = plain.init(params), injected.init(params)
     assert "learning_rate" in s_inj.hyperparams, "learning_rate was not injected"
     first_state = s_inj

@@ -72,15 +72,16 @@ def np_muon(
     return out
 
 
-def random_tree(key, shapes, num=1):
-    """`num` pytrees of standard normal leaves with the given shapes (float32)."""
-    keys = jax.random.split(key, num * len(shapes)).reshape(num, len(shapes))
+def random_tree(seed, shapes, num=1):
+    """`num` pytrees of standard normal leaves with the given shapes (float32), drawn by NumPy
+    (jax.random would compile a program per shape)."""
+    rng = np.random.default_rng(seed)
     return [
         {
-            name: jax.random.normal(k, shape)
-            for (name, shape), k in zip(shapes.items(), ks, strict=True)
+            name: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            for name, shape in shapes.items()
         }
-        for ks in keys
+        for _ in range(num)
     ]
 
 
@@ -93,7 +94,7 @@ def assert_rel_close(actual, expected, tol, what):
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("ema", [False, True])
 def test_scale_by_muon_matches_float64_numpy(nesterov, ema):
-    grads_seq = random_tree(jax.random.key(0), SHAPES, num=4)
+    grads_seq = random_tree(0, SHAPES, num=4)
     tx = scale_by_muon(0.9, nesterov=nesterov, ema=ema)
     ref = np_muon(grads_seq, beta=0.9, nesterov=nesterov, ema=ema)
     state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
@@ -113,7 +114,7 @@ GROUP_SHAPES = {"a": (8, 24), "b": (8, 24), "tall": (24, 8), "c": (3, 3, 8, 8), 
 def test_grouped_newton_schulz_equals_float64_numpy_per_leaf():
     """group_shapes=True stacks equal matrix views but normalizes each matrix by its own norm:
     every leaf equals its own float64 NumPy iteration, and the per-leaf path to round-off."""
-    tree = random_tree(jax.random.key(7), GROUP_SHAPES, num=1)[0]
+    tree = random_tree(7, GROUP_SHAPES, num=1)[0]
     tree["d"] = 100.0 * tree["d"]  # a different norm inside a group
     grouped = fast_jit(lambda t: orthogonalize_tree(t, group_shapes=True))(tree)
     single = fast_jit(lambda t: orthogonalize_tree(t, group_shapes=False))(tree)
@@ -127,14 +128,14 @@ def test_grouped_newton_schulz_equals_float64_numpy_per_leaf():
     ).count("dot_general")
     assert (count(False), count(True)) == (5 * 5 * 3, 3 * 5 * 3)
     # Under vmap over clients (the engine's layout), each client's group is its own batch.
-    clients = jax.tree.map(lambda x: jnp.stack([x, -2.0 * x]), tree)
+    clients = jax.tree.map(lambda x: jnp.asarray(np.stack([x, -2.0 * np.asarray(x)])), tree)
     batched = fast_jit(jax.vmap(lambda t: orthogonalize_tree(t, group_shapes=True)))(clients)
     for k in GROUP_SHAPES:
         assert_rel_close(batched[k][1], -np_orthogonalize(tree[k], 5, "jordan", 1e-7), 2e-5, k)
 
 
 def test_scale_by_muon_group_shapes_gives_the_same_updates():
-    grads_seq = random_tree(jax.random.key(8), GROUP_SHAPES, num=3)
+    grads_seq = random_tree(8, GROUP_SHAPES, num=3)
     runs = {}
     for group in (False, True):
         tx = scale_by_muon(0.9, group_shapes=group)
@@ -155,7 +156,7 @@ def test_scale_by_muon_group_shapes_gives_the_same_updates():
 def test_shape_scaling_and_conv_view(scaling):
     # Conv (3, 3, 4, 8) is orthogonalized as the (36, 8) matrix with fan_in 36, fan_out 8;
     # "jordan" floors at 1 (wide 8→24 gets sqrt(3), tall and conv get 1).
-    grads_seq = random_tree(jax.random.key(1), SHAPES, num=2)
+    grads_seq = random_tree(1, SHAPES, num=2)
     tx = scale_by_muon(0.95, shape_scaling=scaling, ns_coeffs="polar_express", ns_steps=6)
     ref = np_muon(
         grads_seq,
@@ -220,7 +221,7 @@ def test_agrees_with_optax_contrib_scale_by_muon(default_precision):
 
 def _compare_with_optax_contrib_muon():
     shapes = {"wide": (8, 24), "tall": (24, 8)}
-    grads_seq = random_tree(jax.random.key(2), shapes, num=5)
+    grads_seq = random_tree(2, shapes, num=5)
     ours = scale_by_muon(0.95, nesterov=False, eps=1e-8, shape_scaling="none", ns_dtype="float32")
     theirs = optax.contrib.scale_by_muon(
         beta=0.95,
@@ -229,7 +230,7 @@ def _compare_with_optax_contrib_muon():
         weight_dimension_numbers={k: optax.contrib.MuonDimensionNumbers(0, 1) for k in shapes},
     )
     s_ours, s_theirs = ours.init(grads_seq[0]), theirs.init(grads_seq[0])
-    update_ours, update_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+    update_ours, update_theirs = fast_jit(ours.update), fast_jit(theirs.update)
     for t, g in enumerate(grads_seq):
         u_ours, s_ours = update_ours(g, s_ours)
         with jax.default_matmul_precision("float32"):
@@ -240,11 +241,11 @@ def _compare_with_optax_contrib_muon():
     # Full optimizers: matrices through Muon + width scaling + lr, the bias through AdamW(lr)
     # with no weight decay in both (optax's adam_weight_decay=0 default, our fallback default).
     params = {"w": jnp.ones((8, 24)), "v": jnp.ones((24, 8)), "b": jnp.ones((8,))}
-    grads_seq = random_tree(jax.random.key(3), {k: v.shape for k, v in params.items()}, num=4)
+    grads_seq = random_tree(3, {k: v.shape for k, v in params.items()}, num=4)
     ours = muon(0.1, nesterov=False, eps=1e-8, ns_dtype="float32")
     theirs = optax.contrib.muon(0.1, nesterov=False, eps=1e-8)
     s_ours, s_theirs = ours.init(params), theirs.init(params)
-    update_ours, update_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+    update_ours, update_theirs = fast_jit(ours.update), fast_jit(theirs.update)
     for t, g in enumerate(grads_seq):
         u_ours, s_ours = update_ours(g, s_ours, params)
         with jax.default_matmul_precision("float32"):
@@ -257,8 +258,8 @@ def test_muon_matrix_leaves_weight_decay_and_default_adamw_fallback():
     # Matrix leaves: u = −η(γ·NS(D) + λW) (FedPAC (Liu et al.) Alg. 6 line 13); the bias and
     # the scalar go to AdamW(η, weight_decay=0), compared with optax.adamw on those leaves alone.
     shapes = {"dense": (16, 8), "conv": (3, 3, 2, 4), "bias": (8,), "scale": ()}
-    params = random_tree(jax.random.key(4), shapes)[0]
-    grads_seq = random_tree(jax.random.key(5), shapes, num=3)
+    params = random_tree(4, shapes)[0]
+    grads_seq = random_tree(5, shapes, num=3)
     lr, wd = 0.05, 0.1
     tx = muon(lr, weight_decay=wd, beta=0.9)
     ref = np_muon(
@@ -286,8 +287,8 @@ def test_muon_mask_and_custom_fallback():
     # A user mask can send a matrix (an embedding) to the fallback; a custom fallback is used
     # as given; the mask may be a callable or a pytree.
     shapes = {"embed": (10, 6), "dense": (6, 12), "bias": (12,)}
-    params = random_tree(jax.random.key(6), shapes)[0]
-    grads = random_tree(jax.random.key(7), shapes)[0]
+    params = random_tree(6, shapes)[0]
+    grads = random_tree(7, shapes)[0]
     mask_tree = {"embed": False, "dense": True, "bias": False}
     for mask in (mask_tree, lambda p: {k: k == "dense" for k in p}):
         tx = muon(0.1, fallback=optax.sgd(0.5), muon_mask=mask)
@@ -381,7 +382,7 @@ def test_scale_by_muon_bfloat16_matches_float64_numpy_at_bfloat16_tolerance():
     # The same four steps as the float32 test, with bfloat16 NS: measured 1.5e-2 to 2.6e-2
     # from float64 (Jordan's quintic amplifies bfloat16's 2^-9 rounding, see
     # test_newton_schulz); tolerance 5e-2.
-    grads_seq = random_tree(jax.random.key(21), SHAPES, num=3)
+    grads_seq = random_tree(21, SHAPES, num=3)
     tx = scale_by_muon(0.9, ns_dtype="bfloat16")
     ref = np_muon(grads_seq, beta=0.9, nesterov=True, ema=False)
     state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
@@ -407,7 +408,7 @@ def np_fedmuon_svd(grads_seq, beta):
 
 
 def test_svd_orthogonalizer_is_fedmuon_alg_2():
-    grads_seq = random_tree(jax.random.key(22), SHAPES, num=3)
+    grads_seq = random_tree(22, SHAPES, num=3)
     ref = np_fedmuon_svd(grads_seq, 0.9)
     tx = scale_by_muon(0.9, nesterov=False, orthogonalizer="svd", shape_scaling="none")
     state, update = tx.init(grads_seq[0]), fast_jit(tx.update)
@@ -421,7 +422,7 @@ def test_svd_orthogonalizer_is_fedmuon_alg_2():
             s = np.linalg.svd(np.asarray(updates[k], np.float64).reshape(-1, SHAPES[k][-1]))[1]
             np.testing.assert_allclose(s, 1.0, atol=1e-5, err_msg=k)
     # muon() passes it on: W ← W − η(UVᵀ + λW).
-    params = random_tree(jax.random.key(23), SHAPES)[0]
+    params = random_tree(23, SHAPES)[0]
     full = muon(0.1, beta=0.9, nesterov=False, orthogonalizer="svd", shape_scaling="none")
     updates, _ = fast_jit(full.update)(grads_seq[0], full.init(params), params)
     for k in SHAPES:
@@ -572,7 +573,7 @@ def np_lmo_direction(u, norm, steps=5, coeffs="classic", eps=1e-7):
 @pytest.mark.parametrize("steps", [0, 5])
 def test_lmo_directions_match_numpy(norm, steps):
     shapes = {"w": (8, 24), "conv": (3, 3, 4, 8), "bias": (8,), "scalar": ()}
-    u = random_tree(jax.random.key(8), shapes)[0]
+    u = random_tree(8, shapes)[0]
     d, _ = scale_by_lmo(norm, ns_steps=steps).update(u, optax.EmptyState())
     for k in shapes:
         assert d[k].shape == shapes[k] and d[k].dtype == jnp.float32
@@ -604,8 +605,8 @@ def test_lmo_dual_norm_identities_and_descent():
 def test_lmo_wrapper_momentum_matches_fedmuon_lmo_rule():
     # M ← (1−α)M + αg (FedMuon-LMO Eq. 127 / Alg. 1 line 8, α = 1 − momentum), X ← X + η·lmo(M).
     shapes = {"w": (6, 10), "b": (10,)}
-    grads_seq = random_tree(jax.random.key(10), shapes, num=3)
-    params = random_tree(jax.random.key(11), shapes)[0]
+    grads_seq = random_tree(10, shapes, num=3)
+    params = random_tree(11, shapes)[0]
     alpha, lr = 0.1, 0.05
     tx = lmo(lr, norm="spectral", momentum=1 - alpha, ns_steps=3)
     state, update = tx.init(params), fast_jit(tx.update)
@@ -636,7 +637,7 @@ def test_lmo_shape_scaling_matches_numpy(scaling):
     # γ·NS(u) on matrix leaves (FedMuon-LMO §7.1 scales FedMuon's step per layer as Moonlight
     # does: "moonlight", the factor LocalMuon gets); vectors and (1, n) views keep γ = 1.
     shapes = {"w": (8, 24), "conv": (3, 3, 4, 8), "row": (1, 12), "bias": (8,)}
-    u = random_tree(jax.random.key(26), shapes)[0]
+    u = random_tree(26, shapes)[0]
     d, _ = scale_by_lmo("spectral", shape_scaling=scaling).update(u, optax.EmptyState())
     for k in shapes:
         gamma = np_scale(shapes[k], scaling) if k in ("w", "conv") else 1.0
@@ -666,14 +667,11 @@ TRANSFORMS = {
 def test_battery(name):
     tx = TRANSFORMS[name]()
     shapes = MATRIX_SHAPES if name == "scale_by_muon" else BATTERY_SHAPES
-    params = random_tree(jax.random.key(12), shapes)[0]
-    grads_seq = random_tree(jax.random.key(13), shapes, num=2)
-    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-    params_C = stack(random_tree(jax.random.key(14), shapes, num=NUM_CLIENTS))
-    grads_seq_C = [
-        stack(random_tree(k, shapes, num=NUM_CLIENTS))
-        for k in jax.random.split(jax.random.key(15), 2)
-    ]
+    params = random_tree(12, shapes)[0]
+    grads_seq = random_tree(13, shapes, num=2)
+    stack = lambda trees: jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *trees)
+    params_C = stack(random_tree(14, shapes, num=NUM_CLIENTS))
+    grads_seq_C = [stack(random_tree(seed, shapes, num=NUM_CLIENTS)) for seed in (15, 115)]
     # vmap/jit change XLA's fusion; float32 round-off through NS stays below these.
     run_battery(tx, params, grads_seq, params_C, grads_seq_C, rtol=1e-4, atol=1e-5)
 
@@ -687,8 +685,8 @@ def test_battery(name):
     ids=["muon", "lmo"],
 )
 def test_inject_hyperparams(factory, kwargs):
-    params = random_tree(jax.random.key(16), BATTERY_SHAPES)[0]
-    grads_seq = random_tree(jax.random.key(17), BATTERY_SHAPES, num=2)
+    params = random_tree(16, BATTERY_SHAPES)[0]
+    grads_seq = random_tree(17, BATTERY_SHAPES, num=2)
     # ns_steps fixes the number of matmuls: it must be static.
     check_inject_hyperparams(
         factory, kwargs, params, grads_seq, static_args=("ns_steps",), rtol=1e-4, atol=1e-6
@@ -760,7 +758,7 @@ def test_optim_ns_dtype_and_orthogonalizer_reach_the_local_direction():
         local.split_optim({"name": "sgd", "ns_dtype": "bfloat16"})
     assert local.split_optim({"name": "sgd", "ns_dtype": "auto"}) == ("sgd", 0.0, {})
     # optim.orthogonalizer="svd" on the federated Muon direction: FedMuon (Liu et al.) Alg. 2.
-    g = random_tree(jax.random.key(27), {"w": (8, 24), "b": (8,)})[0]
+    g = random_tree(27, {"w": (8, 24), "b": (8,)})[0]
     tx = local.direction(
         "muon", beta=0.9, nesterov=False, orthogonalizer="svd", shape_scaling="none"
     )
@@ -798,8 +796,8 @@ def test_muon_direction_momentum_sgd_fallback_matches_numpy(ema, nesterov):
 
     beta, ratio = 0.9, 0.25
     shapes = {"w": (6, 10), "b": (10,), "cls": (1, 1, 4)}
-    params = random_tree(jax.random.key(28), shapes)[0]
-    grads_seq = random_tree(jax.random.key(29), shapes, num=3)
+    params = random_tree(28, shapes)[0]
+    grads_seq = random_tree(29, shapes, num=3)
     tx = local.direction(
         "muon",
         beta=beta,
