@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import optim_battery as battery
 import pytest
+from helpers import fast_jit
 
 from fedorth.optim import SoapState, average_soap_states, federated, scale_by_soap, soap
 from fedorth.optim.soap import eigenbasis, project, project_back
@@ -299,7 +300,7 @@ def run_both(shapes, kwargs, structure, steps=24, seed=0):
     tx = scale_by_soap(**kwargs)
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     state = tx.init(params)
-    update = jax.jit(tx.update)
+    update = fast_jit(tx.update)
     ours, theirs = [], []
     for g in grads:
         before = [p.copy() for p in ref.params]
@@ -343,7 +344,7 @@ def test_matches_reference_step_for_step(x64, case):
             signs = np.sign(np.sum(q * q_ref, axis=0))
             np.testing.assert_allclose(q * signs, q_ref, rtol=0, atol=1e-8, err_msg=f"{case}/{k} Q")
         # First moment in the original space is basis-free; second moment is sign-free.
-        mu = np.asarray(jax.jit(project_back)(state.exp_avg[k], qs)).reshape(shapes[k])
+        mu = np.asarray(fast_jit(project_back)(state.exp_avg[k], qs)).reshape(shapes[k])
         mu_ref = ref.project_back(st["exp_avg"], st)
         np.testing.assert_allclose(mu, mu_ref, rtol=RTOL, atol=ATOL, err_msg=f"{case}/{k} m")
         np.testing.assert_allclose(
@@ -361,7 +362,7 @@ def test_first_step_builds_basis_and_makes_no_update():
     g = rng.normal(size=(5, 3)).astype(np.float32)
     tx = scale_by_soap(b2=0.9)
     state = tx.init({"w": jnp.zeros((5, 3))})
-    u, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state)
+    u, state = fast_jit(tx.update)({"w": jnp.asarray(g)}, state)
     np.testing.assert_array_equal(np.asarray(u["w"]), 0.0, err_msg="first step must not update")
     np.testing.assert_array_equal(np.asarray(state.exp_avg["w"]), 0.0)
     np.testing.assert_array_equal(np.asarray(state.exp_avg_sq["w"]), 0.0)
@@ -412,7 +413,7 @@ def test_float32_and_bfloat16_state_track_float64_reference():
         for t, g in enumerate(grads):
             before = [p.copy() for p in ref.params]
             after = ref.step(list(g.values()))
-            u, state = jax.jit(tx.update)(
+            u, state = fast_jit(tx.update)(
                 {k: jnp.asarray(v, jnp.float32) for k, v in g.items()}, state
             )
             for (k, v), b, a in zip(u.items(), before, after, strict=True):
@@ -433,7 +434,7 @@ def test_soap_equals_reference_without_decay_and_documented_decay_difference(x64
     names = list(shapes)
     grads = gradient_sequence(3, shapes, 8)
     lr, wd = 0.1, 0.3
-    apply = jax.jit(optax.apply_updates)
+    apply = fast_jit(optax.apply_updates)
     x = {k: jnp.asarray(np.random.default_rng(4).normal(size=s)) for k, s in shapes.items()}
     for decay in (0.0, wd):
         tx = soap(lr, weight_decay=decay, precondition_frequency=2)
@@ -441,7 +442,7 @@ def test_soap_equals_reference_without_decay_and_documented_decay_difference(x64
         state, dir_state = tx.init(x), dir_tx.init(x)
         assert isinstance(state[0], SoapState)
         # Jitted (one program each, not op-by-op dispatch); float64 far above rounding.
-        update, dir_update = jax.jit(tx.update), jax.jit(dir_tx.update)
+        update, dir_update = fast_jit(tx.update), fast_jit(dir_tx.update)
         ref = RefSOAP(list(x.values()), lr=lr, weight_decay=decay, precondition_frequency=2)
         for t, g in enumerate(grads):
             gj = {k: jnp.asarray(v) for k, v in g.items()}
@@ -562,7 +563,7 @@ def client_states(num_clients=3, steps=5, freq=2):
     axes = SoapState(count=None, exp_avg=0, exp_avg_sq=0, GG=0, Q=0, moment_count=None)
     params_C = {k: jnp.zeros((num_clients, *s), jnp.float64) for k, s in shapes.items()}
     state_C = jax.vmap(tx.init, out_axes=axes)(params_C)
-    update = jax.jit(jax.vmap(tx.update, in_axes=(0, axes), out_axes=(0, axes)))
+    update = fast_jit(jax.vmap(tx.update, in_axes=(0, axes), out_axes=(0, axes)))
     for _ in range(steps):
         g_C = {k: jnp.asarray(rng.normal(size=(num_clients, *s))) for k, s in shapes.items()}
         _, state_C = update(g_C, state_C)
@@ -574,11 +575,11 @@ def test_average_soap_states_rule(x64):
     descending); m in the original space = mean of the clients' m mapped back with their own
     bases; v = mean; the count passes through; average_states dispatches to the rule."""
     _, shapes, state_C = client_states()
-    avg = jax.jit(federated.average_states)(state_C)
+    avg = fast_jit(federated.average_states)(state_C)
     assert isinstance(avg, SoapState)
     assert int(avg.count) == int(state_C.count)
     assert int(avg.moment_count) == int(state_C.moment_count) == int(state_C.count)
-    back = jax.jit(project_back)  # one program per leaf, not op-by-op dispatch
+    back = fast_jit(project_back)  # one program per leaf, not op-by-op dispatch
     for k in shapes:
         mu_back_C = [
             np.asarray(
@@ -608,7 +609,7 @@ def test_average_soap_states_rule(x64):
             np.testing.assert_allclose(d, np.diag(np.diag(d)), atol=1e-12)
             assert np.all(np.diff(np.diag(d)) <= 1e-12), "eigenvalues must be descending"
     # The registered rule and the direct call agree; a stacked count is accepted too.
-    direct = jax.jit(average_soap_states)(state_C._replace(count=jnp.full(3, state_C.count)))
+    direct = fast_jit(average_soap_states)(state_C._replace(count=jnp.full(3, state_C.count)))
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(avg), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
 
@@ -624,15 +625,15 @@ def test_average_of_identical_states_preserves_the_direction(x64):
     # Make Q the eigh basis of GG (as the rule rebuilds it), moving m with it.
     # Jitted: one program each instead of op-by-op dispatch.
     qs = {
-        k: tuple(None if gg is None else jax.jit(eigenbasis)(gg) for gg in one.GG[k])
+        k: tuple(None if gg is None else fast_jit(eigenbasis)(gg) for gg in one.GG[k])
         for k in shapes
     }
-    move = jax.jit(lambda m, q_old, q_new: project(project_back(m, q_old), q_new))
+    move = fast_jit(lambda m, q_old, q_new: project(project_back(m, q_old), q_new))
     mus = {k: move(one.exp_avg[k], one.Q[k], qs[k]) for k in shapes}
     one = one._replace(Q=qs, exp_avg=mus)
     stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 4), tree)
     stacked = SoapState(one.count, *map(stack, one[1:-1]), one.moment_count)
-    avg = jax.jit(average_soap_states)(stacked)
+    avg = fast_jit(average_soap_states)(stacked)
     for k in shapes:  # the rebuilt bases equal the original ones up to column signs
         for q_avg, q in zip(avg.Q[k], one.Q[k], strict=True):
             if q is not None:
@@ -640,7 +641,7 @@ def test_average_of_identical_states_preserves_the_direction(x64):
                     np.abs(np.asarray(q_avg).T @ np.asarray(q)), np.eye(len(q)), atol=1e-8
                 )
     g = {k: jnp.asarray(np.random.default_rng(8).normal(size=s)) for k, s in shapes.items()}
-    update = jax.jit(tx.update)
+    update = fast_jit(tx.update)
     u_one, _ = update(g, one)
     u_avg, _ = update(g, avg)
     for k in shapes:
@@ -734,8 +735,8 @@ def test_light_upload_compresses_factors_and_moments_never_the_bases(x64):
         moment_count=jnp.asarray(6, jnp.int32),
     )
     compress = jax.vmap(lambda st: _compress_state(st, ratio), in_axes=(axes,), out_axes=axes)
-    light_C = jax.jit(compress)(state_C)
-    average = jax.jit(
+    light_C = fast_jit(compress)(state_C)
+    average = fast_jit(
         lambda st: (lambda a: (a, project_back(a.exp_avg["w"], a.Q["w"])))(average_soap_states(st))
     )
     for q, q_light in zip(state_C.Q["w"], light_C.Q["w"], strict=True):
@@ -777,7 +778,7 @@ def test_light_upload_compresses_factors_and_moments_never_the_bases(x64):
                 ),
             )
 
-        return jax.jit(
+        return fast_jit(
             jax.vmap(lambda st: compress_tree(st, mask(st), ratio), in_axes=(axes,), out_axes=axes)
         )(state_C)
 
@@ -805,7 +806,7 @@ def test_float16_first_real_update_is_finite_and_matches_float32():
     def run(tx, grads, params):
         state, out = tx.init(params), []
         for g in grads:
-            u, state = jax.jit(tx.update)(g, state)
+            u, state = fast_jit(tx.update)(g, state)
             out.append(np.asarray(u["w"]))
         return out, state
 

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import optim_battery as battery
 import pytest
+from helpers import fast_jit
 from optax.contrib import _sophia as optax_sophia
 
 from fedorth.optim import SophiaState, scale_by_sophia, sophia
@@ -142,7 +143,7 @@ def test_matches_numpy_reference_on_diagonal_quadratic(mode):
         clip_mode=mode,
     )
 
-    @jax.jit
+    @fast_jit
     def step(params, state):
         updates, state = tx.update(jax.grad(f)(params), state, params, obj_fn=f)
         return optax.apply_updates(params, updates), state
@@ -179,7 +180,7 @@ def test_packed_signs_follow_the_documented_bits():
         "c": {"d": jnp.zeros((31,), jnp.float16)},
     }
     for key in (jax.random.key(21), jax.random.PRNGKey(21)):
-        got = jax.jit(rademacher_like)(key, tree)
+        got = fast_jit(rademacher_like)(key, tree)
         leaves = jax.tree.leaves(got)
         want = np_packed_signs(key, [leaf.size for leaf in leaves])
         for leaf, ref, proto in zip(leaves, want, jax.tree.leaves(tree), strict=True):
@@ -250,8 +251,8 @@ def test_matches_optax_contrib_sophia_with_same_probes():
         hessian_diagonal_fn=optax_sophia.hutchinson_estimator_diag_hessian(jax.random.PRNGKey(7)),
         **hyper,
     )
-    ours_update = jax.jit(lambda g, s, p, k: ours.update(g, s, p, obj_fn=f, hessian_key=k))
-    theirs_update = jax.jit(lambda g, s, p: theirs.update(g, s, p, obj_fn=f))
+    ours_update = fast_jit(lambda g, s, p, k: ours.update(g, s, p, obj_fn=f, hessian_key=k))
+    theirs_update = fast_jit(lambda g, s, p: theirs.update(g, s, p, obj_fn=f))
     params = unflatten(jnp.linspace(0.5, -2.0, SIZE))
     s_ours, s_theirs = ours.init(params), theirs.init(params)
     optax_key = jax.random.PRNGKey(7)
@@ -403,7 +404,7 @@ def test_update_interval_schedule(mode, expected):
     log = HvpLog(f)
     tx = scale_by_sophia(0.9, 0.9, update_interval=3, clip_mode=mode)
 
-    @jax.jit
+    @fast_jit
     def step(params, state, k):
         return tx.update(jax.grad(f)(params), state, params, obj_fn=log.obj_fn(k))[1]
 
@@ -452,7 +453,7 @@ def test_hvp_count_under_vmap_with_shared_count():
     def run(in_axes):
         calls.clear()
         state = jax.vmap(tx.init, out_axes=in_axes)(params_c)
-        fn = jax.jit(jax.vmap(client_step, in_axes=(0, in_axes, 0, 0), out_axes=(0, in_axes)))
+        fn = fast_jit(jax.vmap(client_step, in_axes=(0, in_axes, 0, 0), out_axes=(0, in_axes)))
         params = params_c
         for k in range(steps):
             params, state = fn(params, state, centers, keys[k])
@@ -481,7 +482,7 @@ def test_clients_draw_different_probes_only_with_their_own_key():
     grads_c = jax.vmap(jax.grad(f))(params_c)
 
     def nu_rows(extra_fn):
-        update = jax.jit(
+        update = fast_jit(
             jax.vmap(
                 lambda g, s, p, k: tx.update(g, s, p, obj_fn=f, **extra_fn(k)),
                 in_axes=(0, axes, 0, 0),
@@ -591,7 +592,7 @@ def test_mu_dtype_and_low_precision_params():
     )
     tx = sophia(0.1, update_interval=1, mu_dtype=jnp.bfloat16)
     state = tx.init(params)
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p, obj_fn=f))
+    step = fast_jit(lambda g, s, p: tx.update(g, s, p, obj_fn=f))
     for _ in range(3):
         updates, new_state = step(jax.grad(f)(params), state, params)
         assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, params)
@@ -694,7 +695,7 @@ def test_fedpac_preset_sophia_is_the_box_with_rho_one():
         f = lambda p: 0.5 * jnp.sum(jnp.asarray(diag) * (flatten(p) - jnp.asarray(center)) ** 2)
         tx = local.local_tx(local.direction(name, **hp), weight_decay=wd)
 
-        @jax.jit
+        @fast_jit
         def step(params, state):
             updates, state = tx.update(
                 jax.grad(f)(params), state, params, obj_fn=f, learning_rate=lr
