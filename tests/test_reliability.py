@@ -6,15 +6,16 @@ The error messages a user sees are listed in docs/ERRORS.md, generated from the 
 the doc and the messages drift apart.
 
 Compilation, not training, is most of these tests' time, and they run few distinct programs (the
-tiny FedAvg config, the small FedPAC_SOAP one) many times. In this process every program goes to
+tiny FedAvg config above all) many times. In this process every program goes to
 the suite's persistent compilation cache (:func:`cache_every_program`), so each ``train.run`` of
 a config already run gets its round and evaluation from it. The command-line runs of the tiny
 config share a cache folder of their own (:func:`cli_env`), filled by the reference run
 :func:`tiny_reference`: JAX writes a cache entry non-atomically, so a process killed while
 writing one would leave a partial entry that later processes warn about; every process here that
 is killed (SIGKILL, a second Ctrl-C) runs only programs of the reference run, which ran to its
-end, and only reads the folder. The FedPAC_SOAP runs get no such folder: their rounds call host
-LAPACK, which the persistent cache does not keep.
+end, and only reads the folder. Every run killed or stopped here is of the tiny config: a
+FedPAC_SOAP round calls host LAPACK, which the persistent cache does not keep, so each process
+would compile it again.
 """
 
 from __future__ import annotations
@@ -109,9 +110,8 @@ def apply(config, overrides: dict):
     return config
 
 
-# The CLI run of the crash test: configs/fedpac_soap.py (SOAP local steps with QR/eigh basis
-# refreshes, averaged optimizer state) with small overrides (one dense layer: the model is not
-# what is tested); the same values in Python below.
+# configs/fedpac_soap.py (SOAP local steps with QR/eigh basis refreshes, averaged optimizer
+# state) with small overrides (one dense layer: the model is not what is tested).
 SOAP_OVERRIDES = {
     "data.num_clients": 4,
     "fed.clients_per_round": 2,
@@ -122,7 +122,6 @@ SOAP_OVERRIDES = {
     "model.hidden_sizes": (),
     "optim.precondition_frequency": 2,
 }
-SOAP_ARGS = [f"--config.{k}={v}".replace(" ", "") for k, v in SOAP_OVERRIDES.items()]
 
 
 def soap_config():
@@ -416,44 +415,6 @@ def test_divergence_in_parameters_or_state_names_the_leaf(tmp_path):
 # 4. Crash safety.
 
 
-@pytest.fixture(scope="module")
-def soap_reference(tmp_path_factory):
-    """An uninterrupted run of the crash test's config (in this process, through ``train.run``)."""
-    workdir = tmp_path_factory.mktemp("soap_reference")
-    train.run(soap_config(), workdir)
-    return workdir
-
-
-def test_sigkill_then_same_command_resumes_and_matches_uninterrupted_run(tmp_path, soap_reference):
-    """The SOAP processes get no compilation cache folder: their rounds call host LAPACK, which
-    JAX's persistent cache does not keep, and the killed one would be the first writer."""
-    workdir = tmp_path / "killed"
-    command = cli(workdir, *SOAP_ARGS)
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log)
-        deadline = time.monotonic() + 300
-        while len(steps_in(workdir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    first_log = (tmp_path / "first.log").read_text()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill:\n{first_log}"
-    assert rows_of(workdir)[-1]["round"] < SOAP_OVERRIDES["fed.rounds"], "killed mid-run"
-    killed_at = steps_in(workdir)
-    assert len(killed_at) >= 2 and max(killed_at) < SOAP_OVERRIDES["fed.rounds"], killed_at
-
-    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Resumed from round" in out.stderr
-    leftovers = [p.name for p in (workdir / "checkpoints").iterdir() if not p.name.isdigit()]
-    assert not leftovers, f"a save cut by the kill must be cleaned up: {leftovers}"
-    assert (workdir / "config.json").read_text() == (soap_reference / "config.json").read_text()
-    resumed, reference = rows_of(workdir), rows_of(soap_reference)
-    assert [r["round"] for r in resumed] == list(range(0, SOAP_OVERRIDES["fed.rounds"] + 1))
-    # Bit for bit (JSON floats round-trip exactly): every field but the wall clock.
-    assert without_wall(resumed) == without_wall(reference)
-
-
 def corrupt(step_dir: pathlib.Path, mode: str) -> None:
     """Damages an orbax step as a failing disk or a bad copy would.
 
@@ -569,9 +530,13 @@ def test_workdir_of_a_different_config_is_refused_unless_overwrite(tmp_path):
     workdir = tmp_path / "w"
     message = conflict_message(workdir)
     assert "fed.rounds: 2 there, 3 here" in message and "eval_every: 1 there, 0 here" in message
+    assert "different config" in message
     assert [r["round"] for r in rows_of(workdir)] == [0, 1, 2], "the old run is untouched"
+    assert json.loads((workdir / "config.json").read_text())["eval_every"] == 1
     train.run(tiny_config(**{"fed.rounds": 3, "eval_every": 0}), workdir, overwrite=True)
-    assert [r["round"] for r in rows_of(workdir)] == [3], "eval_every=0: only the last round"
+    assert json.loads((workdir / "config.json").read_text())["eval_every"] == 0
+    # The old run's rows were discarded; the new one's (eval_every=0: only the last round).
+    assert [r["round"] for r in rows_of(workdir)] == [3]
     assert steps_in(workdir)[-1] == 3
     assert_documented(CONFLICT, message, tmp_path)
 
@@ -825,6 +790,15 @@ def locked_message(workdir: pathlib.Path) -> str:
 
 
 def test_a_killed_runs_lock_does_not_block_and_resume_matches(stopped_runs, scenario_reference):
+    """A run killed with SIGKILL mid-run, then the same command: it resumes from the newest
+    checkpoint, a save the kill cut is cleaned up, and the run ends with an uninterrupted run's
+    config and metrics, bit for bit (JSON floats round-trip exactly; the wall clock aside).
+
+    The killed run is the tiny FedAvg config, whose programs come from the command-line runs'
+    compilation cache. The resumption of the state of SOAP-based algorithms (the bases, the
+    aligned state, the global direction, on one device and sharded) bit for bit is
+    tests/test_runner.py's ``test_stopped_run_resumes_to_the_same_metrics``; that their rounds
+    give the same bits in another process, tests/test_fed_golden.py."""
     assert stopped_runs["first_returncode"] == -signal.SIGKILL
     returncode, stderr = stopped_runs["third"]
     resumed = f"Resumed from round {max(stopped_runs['killed_steps'])} in "
@@ -832,6 +806,10 @@ def test_a_killed_runs_lock_does_not_block_and_resume_matches(stopped_runs, scen
     assert "in use by another run" not in stderr, stderr
     assert stopped_runs["fourth_returncode"] == 0
     workdir = stopped_runs["workdir"]
+    leftovers = [p.name for p in (workdir / "checkpoints").iterdir() if not p.name.isdigit()]
+    assert not leftovers, f"a save cut by the kill must be cleaned up: {leftovers}"
+    assert (workdir / "config.json").read_text() == (scenario_reference / "config.json").read_text()
+    assert [r["round"] for r in rows_of(workdir)] == list(range(SCENARIO["fed.rounds"] + 1))
     assert without_wall(rows_of(workdir)) == without_wall(rows_of(scenario_reference))
     assert not list(stopped_runs["cwd"].glob("~*")), "--workdir=~/run is under $HOME"
 
@@ -1292,11 +1270,19 @@ def test_config_argument_errors_are_documented(tmp_path):
 
 
 def test_rounds_change_of_a_cosine_run_and_ctrl_c_are_documented(tmp_path):
+    """The cosine schedule decays over fed.rounds: a longer run would not continue the same
+    trajectory, so the change is refused and nothing of the old run is touched. Ctrl-C during
+    round 4 with checkpoints every 2 rounds names round 3 and the resume round 2."""
     message = rounds_cosine_message(tmp_path / "w")
     assert "optim.schedule='cosine' decays over fed.rounds" in message, message
+    assert "another fed.rounds (fed.rounds: 2 there, 3 here)" in message, message
+    assert [r["round"] for r in rows_of(tmp_path / "w")] == [2]  # eval_every=0: the last round
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["fed"]["rounds"] == 2
     assert_documented(ROUNDS_COSINE, message, tmp_path)
     message = interrupted_message(tmp_path / "i" / "w")
-    assert message.startswith("interrupted at round 3; the same command resumes from round 2 ")
+    assert message == (
+        f"interrupted at round 3; the same command resumes from round 2 ({tmp_path / 'i' / 'w'})."
+    )
     assert_documented(INTERRUPTED, message, tmp_path / "i")
 
 

@@ -7,7 +7,12 @@ constant). The full default (30 rounds, seed 42) ends at test accuracy 0.969 (me
 commit on 2 CPU cores; rounds 10/20/30: 0.908/0.942/0.969).
 
 The other runs use small models (a one-layer MLP, a one-convolution CNN): what they test is the
-runner (checkpoints, resumption, workdirs, live outputs), and their time is mostly compilation.
+runner (checkpoints, resumption, live outputs), and their time is mostly compilation. A workdir
+of another config refused unless ``--overwrite``, a cosine run's rounds that cannot change, and
+the Ctrl-C message naming the round and the resume round are tested on the tiny config of
+tests/test_reliability.py (``test_workdir_of_a_different_config_is_refused_unless_overwrite``,
+``test_rounds_change_of_a_cosine_run_and_ctrl_c_are_documented``), whose programs that file
+compiles anyway.
 Every program goes to the suite's persistent compilation cache
 (``test_reliability.cache_every_program``), so the second and later ``train.run`` of a config
 (a stopped run's resumption, a rerun) reuse the first one's executables.
@@ -200,24 +205,9 @@ def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
     assert calls == []
 
 
-def test_workdir_of_another_config_is_refused_unless_overwrite(tmp_path):
-    first = _small("fedavg", rounds=2)
-    train.run(first, tmp_path)
-    other = _small("fedavg", rounds=2)
-    other.optim.learning_rate = 0.01
-    with pytest.raises(train.WorkdirConflictError, match="different config"):
-        train.run(other, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["optim"]["learning_rate"] == 0.1
-    train.run(other, tmp_path, overwrite=True)
-    assert json.loads((tmp_path / "config.json").read_text())["optim"]["learning_rate"] == 0.01
-    rows = read_rows(tmp_path)
-    assert [row["round"] for row in rows] == [0, 1, 2]  # the old run's rows were discarded
-    assert all(row["learning_rate"] == pytest.approx(0.01) for row in rows[1:])
-
-
 # ---------------------------------------------------------------------------------------------
 # Live runs (issue 25): round-0 evaluation, curves at every evaluation, TensorBoard, progress
-# with a recent rate and ETA, Ctrl-C, extending a finished run.
+# with a recent rate and ETA, extending a finished run (Ctrl-C: tests/test_reliability.py).
 
 
 def _tensorboard_scalars(logdir: pathlib.Path) -> dict[tuple[str, int], float]:
@@ -275,44 +265,6 @@ def test_extended_run_equals_a_longer_one_with_live_outputs(tmp_path, monkeypatc
     assert calls == [4, 5], "the longer run continues from the finished run's round 4"
     assert _without_wall(read_rows(extended)) == _without_wall(rows)
     assert json.loads((extended / "config.json").read_text())["fed"]["rounds"] == 6
-
-
-def test_rounds_of_a_cosine_run_cannot_change(tmp_path):
-    """The cosine schedule decays over fed.rounds: a longer run would not continue the same
-    trajectory, so the change is refused (nothing of the old run is touched)."""
-    config = _small("fedavg", rounds=2)
-    config.optim.schedule = "cosine"
-    train.run(config, tmp_path)
-    longer = _small("fedavg", rounds=3)
-    longer.optim.schedule = "cosine"
-    with pytest.raises(train.WorkdirConflictError) as info:
-        train.run(longer, tmp_path)
-    assert "another fed.rounds (fed.rounds: 2 there, 3 here)" in str(info.value)
-    assert "optim.schedule='cosine' decays over fed.rounds" in str(info.value)
-    assert [r["round"] for r in read_rows(tmp_path)] == [0, 1, 2]
-
-
-def test_ctrl_c_names_the_round_and_the_resume_round(tmp_path, monkeypatch):
-    """Ctrl-C during round 4 (checkpoints every 2 rounds): 'interrupted at round 3; the same
-    command resumes from round 2'."""
-
-    def patched_build(config):
-        experiment = _BUILD(config)
-        round_fn = experiment.round_fn
-
-        def before(server):
-            if int(server.round) == 3:
-                raise KeyboardInterrupt
-
-        experiment.round_fn = Wrapped(round_fn, before)
-        return experiment
-
-    monkeypatch.setattr(loop.builders, "build", patched_build)
-    with pytest.raises(KeyboardInterrupt) as info:
-        train.run(_small("fedavg", rounds=6), tmp_path)
-    assert str(info.value) == (
-        f"interrupted at round 3; the same command resumes from round 2 ({tmp_path})."
-    )
 
 
 def test_progress_rate_excludes_the_first_round_and_gives_the_eta():
