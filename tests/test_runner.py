@@ -23,7 +23,6 @@ import importlib.util
 import json
 import pathlib
 
-import ml_collections
 import pytest
 from test_reliability import cache_every_program  # noqa: F401  (a module-scoped fixture)
 
@@ -141,10 +140,9 @@ def test_main_job_learns_digits(tmp_path):
 
 
 def _small(name: str, *, rounds: int = 7):
-    """6 clients, 3 per round, K = 3, an MLP without hidden layer. ``<config>_cnn``: a CNN of one
-    4-channel convolution with 2 clients per round, so that ``auto`` shards them over 2 of the
-    8 fake CPU devices."""
-    config = get_config(name.removesuffix("_cnn"))
+    """6 clients, 3 per round, K = 3, an MLP without hidden layer. ``<config>_sharded``: 2
+    clients per round on the ``sharded`` strategy, one on each of 2 of the 8 fake CPU devices."""
+    config = get_config(name.removesuffix("_sharded"))
     config.data.num_clients = 6
     config.fed.clients_per_round = 3
     config.fed.local_steps = 3
@@ -152,11 +150,9 @@ def _small(name: str, *, rounds: int = 7):
     config.eval_every = 1
     config.checkpoint_every = 2
     config.model.hidden_sizes = ()
-    if name.endswith("_cnn"):
+    if name.endswith("_sharded"):
         config.fed.clients_per_round = 2
-        config.model = ml_collections.ConfigDict(
-            {"name": "cnn", "features": (4,), "dense_sizes": ()}
-        )
+        config.fed.strategy = "sharded"
     return config
 
 
@@ -170,17 +166,21 @@ def _without_wall(rows: list[dict]) -> list[dict]:
 # stray read task was cancelled when its event loop closed and surfaced as an unraisable
 # exception at teardown, after every assertion had passed: third-party noise, ignored here only.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("name", ["fedmuon_bc", "fedpac_soap", "fedpac_soap_cnn"])
+@pytest.mark.parametrize("name", ["fedmuon_bc", "fedpac_soap", "fedpac_soap_sharded"])
 def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
     """Stop after round 5, run the same command again: it restarts from checkpoint 4, and
     metrics.jsonl equals an uninterrupted run's, bit for bit (wall_s aside). run_info.json
-    records the strategy "auto" chose: sequential for the MLPs, sharded over 2 devices for the
-    CNN (whose FedPAC_SOAP state and host eigh/QR then live on a mesh, checkpoint included)."""
+    records the round's strategy: what "auto" chose for the MLPs (sequential), or sharded over
+    2 devices (FedPAC_SOAP's state and host eigh/QR then live on a mesh, checkpoint included).
+    That "auto" shards a convolutional model's clients over the CPU devices is tested in
+    tests/test_fed_engine.py (``test_auto_strategy_shards_clients_over_the_devices_that_divide_s``)
+    and tests/test_bench.py (``test_auto_round_of_a_conv_model_shards_clients_and_equals_the_``
+    ``vmap_lax_round``, a CNN's rounds)."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     build = shared_builds(monkeypatch)
     train.run(_small(name), straight)
     info = json.loads((straight / "run_info.json").read_text())
-    sharded = name.endswith("_cnn")
+    sharded = name.endswith("_sharded")
     assert info["strategy"] == ("sharded" if sharded else "sequential"), info
     assert info["round_devices"] == (["cpu:0", "cpu:1"] if sharded else ["cpu:0"])
 
