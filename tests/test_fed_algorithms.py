@@ -172,7 +172,11 @@ def test_fedmuon_matches_numpy_alg2():
 
 
 def test_degenerate_settings_reduce_to_parents():
-    """FedPAC(beta=0, no alignment) == Local-X; FedMuon(alpha=0, no aggregation) == Local Muon."""
+    """FedPAC(beta=0, no alignment) == Local-X; FedMuon(alpha=0, no aggregation) == Local Muon.
+
+    That FedMuon's flags do something (with alpha > 0 and the momentum aggregation it is not
+    Local Muon) is test_fedmuon_matches_numpy_alg2's box: from round 2 on its steps carry
+    alpha * D_G and start from the averaged momentum M-bar, both nonzero."""
     data = fp.quadratic_clients(N, seed=4)
     adamw = {"name": "adamw", "weight_decay": 0.01}
     a, _ = _run(fed.get_algorithm("fedpac", adamw, beta=0.0, align=False), data)
@@ -182,9 +186,6 @@ def test_degenerate_settings_reduce_to_parents():
     a, _ = _run(fed.get_algorithm("fedmuon", muon, alpha=0.0, momentum_aggregation=False), data)
     b, _ = _run(fed.get_algorithm("local_muon", muon), data)
     np.testing.assert_array_equal(a.params["w"], b.params["w"])
-    # ... and the full versions differ from them (the flags do something).
-    c, _ = _run(fed.get_algorithm("fedmuon", muon, alpha=0.5), data)
-    assert np.max(np.abs(c.params["w"] - b.params["w"])) > 1e-3
 
 
 def test_localmuon_stalls_where_fedmuon_bc_converges():
