@@ -47,9 +47,15 @@ def shape_count(model, x) -> tuple[int, int]:
 
 
 def to_f64(tree):
-    """Casts floating leaves to float64 (integer tokens and labels stay integers)."""
-    cast = lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    """Casts floating leaves to float64 NumPy arrays (integer tokens and labels stay integers);
+    NumPy, not jnp: an eager cast compiles a program per leaf shape."""
+    cast = lambda a: np.asarray(a, np.float64 if jnp.issubdtype(a.dtype, jnp.floating) else None)
     return jax.tree.map(cast, tree)
+
+
+def stack(trees):
+    """Stacks trees leaf by leaf along a new leading (client) axis, in NumPy."""
+    return jax.tree.map(lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *trees)
 
 
 def assert_trees_close(a, b, *, rtol, atol, msg=""):
@@ -101,10 +107,10 @@ def tiny_batch(name: str, seed: int, batch_size: int | None = None) -> dict:
 
 
 def perturbed(tree, seed: int, scale: float = 0.1):
-    """tree ⊙ (1 + scale·N(0, 1)) leaf-wise, drawn with NumPy (distinct clients, no compile)."""
+    """tree ⊙ (1 + scale·N(0, 1)) leaf-wise, in NumPy (distinct clients, no compile)."""
     rng = np.random.default_rng(seed)
     return jax.tree.map(
-        lambda a: a * jnp.asarray(1.0 + scale * rng.normal(size=a.shape), a.dtype), tree
+        lambda a: np.asarray(a) * (1.0 + scale * rng.normal(size=a.shape)).astype(a.dtype), tree
     )
 
 
@@ -125,6 +131,20 @@ def tiny_setup(name: str):
     batch = tiny_batch(name, 4)
     params, state = jit(model.init)(rbg_key(5), batch["x"])
     return model, params, state, batch
+
+
+@functools.cache
+def contract_fn(name: str):
+    """One compiled program per toy model for the train/eval contract tests:
+    ``((loss, (new_state, metrics)), grads), eval sums, eval-mode logits`` of a batch."""
+    model = tiny_model(name)
+
+    def run(params, state, batch, key):
+        inputs, _ = inputs_targets(model, batch)
+        step = jax.value_and_grad(model.loss_fn, has_aux=True)(params, state, batch, key)
+        return step, model.eval_fn(params, state, batch), model.predict_fn(params, state, inputs)
+
+    return jit(run)
 
 
 @functools.cache
@@ -463,20 +483,15 @@ def inputs_targets(model, batch):
 def test_every_model_loss_and_eval_against_numpy_cross_entropy(name):
     """loss_fn is finite with finite grads; eval_fn sums equal a float64 NumPy reference."""
     model, params, state, batch = tiny_setup(name)
-    inputs, targets = inputs_targets(model, batch)
-
-    @jit
-    def run(params, state, batch, key):
-        step = jax.value_and_grad(model.loss_fn, has_aux=True)(params, state, batch, key)
-        return step, model.eval_fn(params, state, batch), model.predict_fn(params, state, inputs)
-
+    _, targets = inputs_targets(model, batch)
+    run = contract_fn(name)
     ((loss, (new_state, metrics)), grads), sums, logits = run(params, state, batch, rbg_key(6))
     assert np.isfinite(loss) and set(metrics) == {"loss", "accuracy"}
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] == loss
     assert jax.tree.structure(new_state) == jax.tree.structure(state), "scan carries need this"
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
-    assert sum(float(jnp.sum(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 0
+    assert sum(float(np.abs(g).sum()) for g in jax.tree.leaves(grads)) > 0
     nll = numpy_cross_entropy(logits, targets)
     np.testing.assert_allclose(sums["loss_sum"], nll.sum(), rtol=1e-5)
     assert sums["correct"] == np.sum(np.asarray(logits).argmax(-1) == np.asarray(targets))
@@ -486,44 +501,41 @@ def test_every_model_loss_and_eval_against_numpy_cross_entropy(name):
 @pytest.mark.parametrize("name", ["cnn", "llama"])
 def test_eval_sum_equals_mean_loss_times_count_and_respects_mask(name):
     model, params, state, _ = tiny_setup(name)
-    loss_fn, eval_fn = jit(model.loss_fn), jit(model.eval_fn)
     key = rbg_key(7)
-    batch = tiny_batch(name, 7, batch_size=5)
+    batch = tiny_batch(name, 7)
     # No dropout/BN in these models: the train loss is the eval loss.
-    sums = eval_fn(params, state, batch)
-    loss, (_, metrics) = loss_fn(params, state, batch, key)
+    ((loss, (_, metrics)), _), sums, _ = contract_fn(name)(params, state, batch, key)
     np.testing.assert_allclose(sums["loss_sum"], loss * sums["count"], rtol=1e-6)
     np.testing.assert_allclose(sums["correct"], metrics["accuracy"] * sums["count"], atol=1e-5)
-    # Masked examples (filled with garbage) contribute nothing: equal to the 3 real examples.
-    garbage = tiny_batch(name, 8, batch_size=5)
-    padded = jax.tree.map(lambda a, g: a.at[3:].set(g[3:]), batch, garbage)
-    padded["mask"] = jnp.array([1.0, 1.0, 1.0, 0.0, 0.0])
-    real = jax.tree.map(lambda a: a[:3], batch)
+    # Masked examples (filled with garbage) contribute nothing: equal to the 2 real examples.
+    loss_and_eval = jit(lambda p, s, b, k: (model.loss_fn(p, s, b, k)[0], model.eval_fn(p, s, b)))
+    garbage = {k: np.asarray(v) for k, v in tiny_batch(name, 8).items()}
+    real = {k: np.asarray(v)[:2] for k, v in batch.items()}
+    padded = {k: np.concatenate([real[k], garbage[k][2:]]) for k in batch}
+    padded["mask"] = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
+    loss_padded, sums_padded = loss_and_eval(params, state, padded, key)
+    loss_real, sums_real = loss_and_eval(params, state, real, key)
     assert_trees_close(
-        eval_fn(params, state, padded), eval_fn(params, state, real), rtol=1e-5, atol=1e-5,
-        msg="eval_fn does not respect the mask",
-    )  # fmt: skip
-    np.testing.assert_allclose(
-        loss_fn(params, state, padded, key)[0], loss_fn(params, state, real, key)[0], rtol=1e-5
+        sums_padded, sums_real, rtol=1e-5, atol=1e-5, msg="eval_fn does not respect the mask"
     )
+    np.testing.assert_allclose(loss_padded, loss_real, rtol=1e-5)
 
 
 def test_batchnorm_updates_running_statistics_with_momentum_0_9():
     """running ← 0.9·running + 0.1·batch statistic (init mean 0, var 1); eval uses running."""
     model, params, state, batch = tiny_setup("resnet18")
-    _, (new_state, _) = jit(model.loss_fn)(params, state, batch, None)
-    stem = lax.conv_general_dilated(
-        batch["x"], params["stem_conv"]["kernel"], (1, 1), ((1, 1), (1, 1)),
-        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-    )  # fmt: skip
+    run, key = contract_fn("resnet18"), rbg_key(6)  # the loss-vs-NumPy test's program
+    ((_, (new_state, _)), _), _, logits = run(params, state, batch, key)
+    # The stem: a 3x3 convolution, stride 1, padding 1, in float64 NumPy.
+    x = np.pad(np.asarray(batch["x"], np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    kernel = np.asarray(params["stem_conv"]["kernel"], np.float64)
+    h, w = batch["x"].shape[1:3]
+    stem = sum(x[:, i : i + h, j : j + w] @ kernel[i, j] for i in range(3) for j in range(3))
     stats = new_state["batch_stats"]["stem_norm"]
     np.testing.assert_allclose(stats["mean"], 0.1 * stem.mean((0, 1, 2)), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(stats["var"], 0.9 + 0.1 * stem.var((0, 1, 2)), rtol=1e-4)
     # Eval mode reads the running statistics: new statistics change the predictions.
-    predict = jit(model.predict_fn)
-    assert not np.allclose(
-        predict(params, state, batch["x"]), predict(params, new_state, batch["x"])
-    )
+    assert not np.allclose(logits, run(params, new_state, batch, key)[2])
     group = tiny_model("resnet18", norm="group")
     assert jax.eval_shape(group.init, jax.random.key(0), batch["x"])[1] == {}
 
@@ -531,8 +543,8 @@ def test_batchnorm_updates_running_statistics_with_momentum_0_9():
 @pytest.mark.parametrize("name", ["vit_tiny", "vit_zg"])
 def test_dropout_on_in_loss_fn_and_off_in_eval_fn(name):
     model, params, state, batch = tiny_setup(name)
-    loss_fn = jit(model.loss_fn)
-    loss = lambda key: loss_fn(params, state, batch, key)[0]
+    run = contract_fn(name)  # the loss-vs-NumPy test's program
+    loss = lambda key: run(params, state, batch, key)[0][0][0]
     assert loss(rbg_key(1)) == loss(rbg_key(1)), "same key, same dropout mask"
     assert loss(rbg_key(1)) != loss(rbg_key(2)), "dropout must be active"
     # eval_fn equals the train loss of the same network with every dropout rate at 0.
@@ -540,7 +552,7 @@ def test_dropout_on_in_loss_fn_and_off_in_eval_fn(name):
     if name == "vit_zg":
         no_dropout["embedding_dropout"] = 0.0
     plain = tiny_model(name, **no_dropout)
-    sums = jit(model.eval_fn)(params, state, batch)
+    sums = run(params, state, batch, rbg_key(3))[1]
     reference = jit(plain.loss_fn)(params, state, batch, rbg_key(3))[0]
     np.testing.assert_allclose(sums["loss_sum"], reference * sums["count"], rtol=1e-6)
 
@@ -549,11 +561,12 @@ def test_dropout_on_in_loss_fn_and_off_in_eval_fn(name):
 
 
 def test_llama_is_causal():
-    model, params, state, _ = tiny_setup("llama")
-    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, size=(2, 10)), jnp.int32)
-    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % 256)
-    predict = jit(model.predict_fn)
-    a, b = predict(params, state, tokens), predict(params, state, changed)
+    _, params, state, batch = tiny_setup("llama")
+    tokens = np.asarray(batch["x"])  # [4, 9]: the logits of positions 0-7
+    changed = tokens.copy()
+    changed[:, 6] = (tokens[:, 6] + 1) % 256
+    run, key = contract_fn("llama"), rbg_key(6)  # the loss-vs-NumPy test's program
+    a, b = (run(params, state, {"x": x}, key)[2] for x in (tokens, changed))
     np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-6, atol=1e-6)
     assert np.all(np.abs(a[:, 6:] - b[:, 6:]).max(-1) > 1e-4), "later positions must see token 6"
 
@@ -601,10 +614,13 @@ def test_vit_patch_embedding_is_a_strided_convolution_and_positions_are_sinusoid
 def test_rnn_matches_numpy_recurrence_and_ignores_padding():
     with jax.enable_x64(True):
         model = get_model("rnn", hidden_size=6, num_layers=2, embed_dim=4)
-        x = jnp.asarray(np.random.default_rng(13).normal(size=(3, 5, 4)))
-        params, state = to_f64(jit(model.init)(rbg_key(14), x))
-        p = jax.tree.map(np.asarray, params)
-        h_seq = np.asarray(x)
+        rng = np.random.default_rng(13)
+        x = rng.normal(size=(3, 5, 4))
+        # Any weights serve the recurrence: drawn in NumPy on init's shapes (no init compile).
+        shapes, state = jax.eval_shape(model.init, jax.random.key(14), x)
+        params = jax.tree.map(lambda a: rng.normal(scale=0.5, size=a.shape), shapes)
+        p = params
+        h_seq = x
         for layer in range(2):
             w_ih, w_hh, b = (p[f"layer_{layer}_{n}"] for n in ("w_ih", "w_hh", "bias"))
             h, outputs = np.zeros((3, 6)), []
@@ -617,12 +633,11 @@ def test_rnn_matches_numpy_recurrence_and_ignores_padding():
         np.testing.assert_allclose(actual, expected, rtol=1e-10)
     # Token inputs: trailing pad_id=0 tokens leave the state unchanged.
     model, params, state, _ = tiny_setup("rnn")
-    tokens = jnp.array([[3, 7, 5, 0, 0], [4, 4, 9, 2, 0]])
-    padded = model.predict_fn(params, state, tokens)
-    np.testing.assert_allclose(padded[0], model.predict_fn(params, state, tokens[:1, :3])[0],
-                               rtol=1e-6)  # fmt: skip
-    np.testing.assert_allclose(padded[1], model.predict_fn(params, state, tokens[1:, :4])[0],
-                               rtol=1e-6)  # fmt: skip
+    tokens = np.array([[3, 7, 5, 0, 0], [4, 4, 9, 2, 0]], np.int32)
+    predict = functools.partial(jit(model.predict_fn), params, state)  # one program per length
+    padded = predict(tokens)
+    np.testing.assert_allclose(padded[0], predict(tokens[:1, :3])[0], rtol=1e-6)
+    np.testing.assert_allclose(padded[1], predict(tokens[1:, :4])[0], rtol=1e-6)
 
 
 # ---------------------------------------------------------------- vmap over clients
@@ -645,7 +660,6 @@ def test_vmap_over_clients_equals_per_client_loop(name, conv_impl, dropout):
         batches = [to_f64(tiny_batch(name, 20 + c)) for c in range(clients)]
         inits = [to_f64((perturbed(params, 30 + c), state)) for c in range(clients)]
         keys = jax.random.split(jax.random.key(16), clients) if dropout else [None] * clients
-        stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
         params_c, state_c = stack([i[0] for i in inits]), stack([i[1] for i in inits])
         step = jax.value_and_grad(model.loss_fn, has_aux=True)
         keys_c = keys if dropout else None
