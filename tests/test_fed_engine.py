@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_fed_golden as golden
 from jax.sharding import Mesh
 
 from fedorth import fed, models
@@ -42,37 +43,56 @@ def _server_after(
     return server, metrics
 
 
-ALGS = {
-    "scaffold": ("scaffold", {"name": "sgd"}, {}),
-    "fedmuon_bc": ("fedmuon_bc", {"name": "lmo", "ns_steps": 5}, {}),
-    "fedpac_adamw": ("fedpac", {"name": "adamw"}, {"beta": 0.3}),
-}
+# Cases of tests/test_fed_golden.py whose clients take other engine paths: SCAFFOLD's control
+# variates, clients that keep their own state (FedMuon-LMO), FedPAC over AdamW (precond_drift).
+STRATEGY_CASES = ("scaffold", "fedmuon_bc", "fedpac")
+
+
+def _golden_algorithm(case):
+    """The algorithm of a tests/test_fed_golden.py case, as its ``_run`` builds it."""
+    name, optim, options = golden.CASES[case]
+    return fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
+
+
+def _golden_rounds(alg, strategy, chunk_size=None, *, rounds=golden.ROUNDS):
+    """Rounds of `alg` on the golden test's problem with its settings (tests/test_fed_golden.py
+    ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05. The golden cases' vmap and sharded rounds
+    are then the golden test's own programs, compiled once for both tests (the suite's
+    persistent compilation cache keys on the program)."""
+    params, model_state, loss_fn = golden._problem(minimax=False)
+    n, s, k = golden.NUM_CLIENTS, golden.CLIENTS_PER_ROUND, golden.LOCAL_STEPS
+    config = fed.RoundConfig(n, s, k, 0.05, strategy=strategy, chunk_size=chunk_size)
+    data = jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
+    server = fed.init_server(alg, params, model_state, num_clients=n, key=jax.random.key(1))
+    round_fn = fed.make_round_fn(alg, loss_fn, fp.batch_fn, config)
+    for _ in range(rounds):
+        server, metrics = round_fn(server, data)
+    return server, metrics
 
 
 @pytest.mark.cpu_devices
-@pytest.mark.parametrize("alg_name", sorted(ALGS))
-def test_strategies_give_the_same_server_state(alg_name):
-    """The strategy paths the golden rounds do not take agree with vmap: a remainder chunk (S = 6
-    in chunks of 4: a scanned chunk of 4, then a vmapped one of 2) and "sharded" over the 6 of
-    the 8 fake CPU devices that divide S = 6, one client each, whose summaries are combined by
-    all-reduces (fed.reduce.psum); parameters, the clients' kept state and every metric
-    (client_drift, client_cosine, train_loss, precond_drift for FedPAC over AdamW).
+@pytest.mark.parametrize("case", STRATEGY_CASES)
+def test_strategies_give_the_same_server_state(case):
+    """A remainder chunk (S = 4 in chunks of 3: a scanned chunk of 3, then a vmapped one of 1),
+    and "sharded" over the 4 of the 8 fake CPU devices that divide S, one client each, whose
+    summaries are combined by all-reduces (fed.reduce.psum), agree with vmap to float32
+    rounding: parameters, the clients' kept state and every metric (client_drift,
+    client_cosine, train_loss, precond_drift for FedPAC over AdamW).
 
-    tests/test_fed_golden.py runs every registered algorithm under vmap, chunked (S = 4 in
-    chunks of 2, no remainder), sequential and sharded (S = 4 over 4 devices) and checks that
-    they agree (float32 rounding) and equal recorded bytes;
-    test_streamed_client_summaries_equal_the_whole_stack checks the per-client (sequential) and
-    per-chunk merges of the metrics' summaries against float64 NumPy in any grouping."""
+    tests/test_fed_golden.py runs every registered algorithm under vmap, chunked (chunks of 2, no
+    remainder), sequential and sharded on this problem and checks that they agree (atol 1e-4)
+    and equal recorded bytes; test_streamed_client_summaries_equal_the_whole_stack checks the
+    per-client (sequential) and per-chunk merges of the metrics' summaries against float64 NumPy
+    in any grouping; test_auto_strategy_shards_clients_over_the_devices_that_divide_s the mesh
+    of other S (6 of the 8 devices for S = 6)."""
     assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
-    name, optim, opts = ALGS[alg_name]
-    alg = fed.get_algorithm(name, optim, **opts)
-    n, s = 12, 6
-    ref, ref_metrics = _server_after(alg, "vmap", n=n, s=s)
+    alg = _golden_algorithm(case)
+    ref, ref_metrics = _golden_rounds(alg, "vmap")
     assert set(ref_metrics) >= {"client_drift", "client_cosine", "train_loss"}
-    if alg_name == "fedpac_adamw":
+    if case == "fedpac":
         assert "precond_drift" in ref_metrics
-    for strategy, chunk in [("chunked", 4), ("sharded", None)]:
-        other, metrics = _server_after(alg, strategy, n=n, s=s, chunk_size=chunk)
+    for strategy, chunk in [("chunked", 3), ("sharded", None)]:
+        other, metrics = _golden_rounds(alg, strategy, chunk)
         for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other), strict=True):
             if jnp.issubdtype(a.dtype, jnp.floating):
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=strategy)
@@ -389,26 +409,30 @@ def test_full_participation_only_and_model_state_errors():
 
 
 def test_aggregate_mask_selects_the_aligned_part_of_the_state():
-    """All-False mask == reset (Local-X); all-True mask == full alignment (FedPAC)."""
+    """All-False mask == reset (Local-X); all-True mask == full alignment (FedPAC, beta = 0: no
+    correction, so that the state is all that differs).
+
+    On tests/test_fed_golden.py's problem: the Local AdamW rounds are the golden test's vmap
+    program."""
     import dataclasses
 
-    adamw = {"name": "adamw"}
-    aligned = fed.get_algorithm("fedpac", adamw, beta=0.0)
+    aligned = fed.get_algorithm("fedpac", {"name": "adamw", "learning_rate": 0.05}, beta=0.0)
     mask = lambda value: dataclasses.replace(  # noqa: E731
         aligned.start, mask=lambda s: jax.tree.map(lambda _: value, s)
     )
     none = dataclasses.replace(aligned, start=mask(False))
     every = dataclasses.replace(aligned, start=mask(True))
-    local = fed.get_algorithm("local_adamw", adamw)
-    run = lambda alg: _server_after(alg, "vmap", n=6, s=3, rounds=3)[0].params["w"]
+    local = _golden_algorithm("local_adamw")
+    assert local.name == "local_adamw" and aligned.name == "fedpac"
+    run = lambda alg: _golden_rounds(alg, "vmap")[0].params["w"]  # noqa: E731
     w_local, w_aligned = run(local), run(aligned)  # each round compiled once
     np.testing.assert_array_equal(run(none), w_local)
     np.testing.assert_array_equal(run(every), w_aligned)
     assert np.max(np.abs(w_aligned - w_local)) > 1e-4
-    server = fed.init_server(
-        none, {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}, {}, num_clients=6, key=jax.random.key(0)
-    )
-    assert fed.communication_bytes(none, server)["bytes_up"] == (12 + 3) * 4
+    params, model_state, _ = golden._problem(minimax=False)
+    server = fed.init_server(none, params, model_state, num_clients=6, key=jax.random.key(0))
+    # Up: the parameters (12 + 3) and the averaged model state (3), no optimizer state.
+    assert fed.communication_bytes(none, server)["bytes_up"] == (12 + 3 + 3) * 4
 
 
 def test_precond_drift_counts_only_the_aligned_leaves_on_both_paths():
