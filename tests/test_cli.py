@@ -111,17 +111,30 @@ def test_no_switch_drops_nothing():
     assert config.optim.precondition_frequency == 10 and config.fed.options.beta == 0.5
 
 
-@pytest.mark.slow
-def test_cli_switches_optimizer_and_algorithm_from_another_directory(tmp_path):
-    # fed.rounds=0 stops at validation, after the switches: the notes, one error line, exit 2.
-    out = main(
-        tmp_path,
+@pytest.fixture(scope="module")
+def switched_beside_a_users_configs(tmp_path_factory) -> subprocess.CompletedProcess:
+    """``python -m experiments.main --config=fedpac_soap`` switched to SGD and FedAvg, from a
+    user's project holding a ``configs/`` package of its own (``make_user_dir``, without its
+    ``experiments/``: ``python -m`` would run the user's); fed.rounds=0 stops it at validation,
+    after the switches."""
+    user = make_user_dir(tmp_path_factory.mktemp("user"))
+    shutil.rmtree(user / "experiments")
+    return main(
+        user,
         "--config=fedpac_soap",
-        f"--workdir={tmp_path / 'w'}",
+        f"--workdir={user / 'w'}",
         "--config.optim.name=sgd",
         "--config.fed.algorithm=fedavg",
         "--config.fed.rounds=0",
     )
+
+
+@pytest.mark.slow
+def test_cli_switches_optimizer_and_algorithm_from_another_directory(
+    switched_beside_a_users_configs,
+):
+    # The notes, one error line, exit 2.
+    out = switched_beside_a_users_configs
     assert out.returncode == 2, out.stderr
     assert out.stderr.splitlines() == [
         "note: --config.optim.name=sgd: the config file's ['optim.b1', 'optim.b2', "
@@ -311,20 +324,24 @@ def fedorth_command() -> str:
     return found
 
 
-@pytest.fixture
-def user_dir(tmp_path) -> pathlib.Path:
-    """A user's project: packages named configs and experiments of its own, and a config of its
-    own that imports the shipped configs.base and a neighbour."""
+def make_user_dir(folder: pathlib.Path) -> pathlib.Path:
+    """A user's project in ``folder``: packages named configs and experiments of its own, and a
+    config of its own that imports the shipped configs.base and a neighbour."""
     for package in ("configs", "experiments"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "configs" / "lab.py").write_text("ROUNDS = 3\n")
-    (tmp_path / "configs" / "mine.py").write_text(
+        (folder / package).mkdir()
+        (folder / package / "__init__.py").write_text("")
+    (folder / "configs" / "lab.py").write_text("ROUNDS = 3\n")
+    (folder / "configs" / "mine.py").write_text(
         "from configs import base, lab\n\n\ndef get_config(arg=None):\n"
         "    config = base.get_base_config()\n    config.fed.rounds = lab.ROUNDS\n"
         "    return config\n"
     )
-    return tmp_path
+    return folder
+
+
+@pytest.fixture
+def user_dir(tmp_path) -> pathlib.Path:
+    return make_user_dir(tmp_path)
 
 
 def fedorth(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -367,13 +384,16 @@ def test_fedorth_command_finds_the_shipped_configs_beside_a_users_folders(user_d
 
 
 @pytest.mark.slow
-def test_python_m_experiments_main_beside_a_users_configs_folder(user_dir):
+def test_python_m_experiments_main_beside_a_users_configs_folder(switched_beside_a_users_configs):
     """``python -m experiments.main`` (the documented interface) with a ``configs/`` package in
-    the current directory still runs the shipped configs."""
-    shutil.rmtree(user_dir / "experiments")  # python -m would run the user's experiments
-    out = main(user_dir, "--config=fedpac_soap", f"--workdir={user_dir / 'w'}", "--config.seed=-1")
+    the current directory still runs the shipped configs: the switches drop the shipped
+    fedpac_soap.py's keys, and its values are validated."""
+    out = switched_beside_a_users_configs
     assert out.returncode == 2, out.stderr
-    assert out.stderr.splitlines()[-1].startswith("  seed=-1"), out.stderr
+    assert "the config file's ['optim.b1', 'optim.b2', 'optim.precondition_frequency']" in (
+        out.stderr
+    )
+    assert out.stderr.splitlines()[-1].startswith("  fed.rounds=0"), out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
