@@ -114,19 +114,30 @@ def _tiny_auc_model(p=0.3):
 
 def test_auc_model_loss_and_eval_agree_with_eq20():
     model = _tiny_auc_model()
-    x = jax.random.randint(jax.random.key(0), (6, 5), 0, 50)
-    y = jnp.array([1, 0, 0, 1, 0, 0])
-    params, state = model.init(jax.random.key(1), x)
+    x = np.random.default_rng(0).integers(0, 50, (6, 5)).astype(np.int32)
+    y = np.array([1, 0, 0, 1, 0, 0], np.int32)
+    mask = np.array([1.0, 1.0, 0.0, 1.0, 1.0, 0.0], np.float32)
+    # The init's bits do not matter here (a, b, alpha are set below): one compiled program.
+    params, state = fast_jit(model.init)(jax.random.key(1), x)
     assert set(params) == {"net", "a", "b", "dual"} and set(params["dual"]) == {"alpha"}
     params = {**params, "a": jnp.float32(0.2), "b": jnp.float32(0.6), "dual": {"alpha": 0.1}}
-    h = np.asarray(fast_jit(model.predict_fn)(params, state, x), np.float64)
-    logits = fast_jit(model.base.predict_fn)(params["net"], state, x)
-    np.testing.assert_allclose(h, jax.nn.softmax(logits)[:, 1], rtol=1e-5)
-    ref = _np_eq20(h, np.asarray(y), 0.2, 0.6, 0.1, 0.3)
-    loss, _ = fast_jit(model.loss_fn)(params, state, {"x": x, "y": y}, None)
+
+    @fast_jit
+    def run(params, state):  # the four functions in one program
+        batch = {"x": x, "y": y}
+        return (
+            model.predict_fn(params, state, x),
+            model.base.predict_fn(params["net"], state, x),
+            model.loss_fn(params, state, batch, None)[0],
+            model.eval_fn(params, state, {**batch, "mask": mask}),
+        )
+
+    h, logits, loss, out = run(params, state)
+    h, logits = np.asarray(h, np.float64), np.asarray(logits, np.float64)
+    softmax = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(h, softmax[:, 1] / softmax.sum(-1), rtol=1e-5)
+    ref = _np_eq20(h, y, 0.2, 0.6, 0.1, 0.3)
     np.testing.assert_allclose(loss, ref.mean(), rtol=1e-5)
-    mask = jnp.array([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
-    out = fast_jit(model.eval_fn)(params, state, {"x": x, "y": y, "mask": mask})
     np.testing.assert_allclose(out["loss_sum"], (ref * np.asarray(mask)).sum(), rtol=1e-5)
     assert float(out["count"]) == 4.0
     np.testing.assert_allclose(out["per_example"]["score"], h, rtol=1e-5)
@@ -255,8 +266,10 @@ def test_eval_fn_reports_exact_test_auc():
     server = builders.init_server(experiment)
     out = builders.make_eval_fn(experiment)(server.params, server.model_state)
     data = experiment.data
-    scores = experiment.model.predict_fn(server.params, server.model_state, data.x_test)
+    predict = fast_jit(experiment.model.predict_fn)  # one program, not op by op
+    scores = np.asarray(predict(server.params, server.model_state, data.x_test), np.float64)
     assert set(out) == {"test_loss", "test_accuracy", "test_auc"}
     assert out["test_auc"] == pytest.approx(roc_auc(scores, data.y_test), abs=1e-6)
-    values = auc_minimax_loss(scores, data.y_test, 0.0, 0.0, 0.0, 0.1)
-    assert float(out["test_loss"]) == pytest.approx(float(jnp.mean(values)), rel=1e-4, abs=1e-6)
+    # Eq. 20 at the initial a = b = alpha = 0, p = 0.1, in float64 NumPy.
+    values = _np_eq20(scores, np.asarray(data.y_test), 0.0, 0.0, 0.0, 0.1)
+    assert float(out["test_loss"]) == pytest.approx(float(np.mean(values)), rel=1e-4, abs=1e-6)
