@@ -11,11 +11,12 @@ the suite's persistent compilation cache (:func:`cache_every_program`), so each 
 a config already run gets its round and evaluation from it. The command-line runs of the tiny
 config share a cache folder of their own (:func:`cli_env`), filled by the reference run
 :func:`tiny_reference`: JAX writes a cache entry non-atomically, so a process killed while
-writing one would leave a partial entry that later processes warn about; every process here that
-is killed (SIGKILL, a second Ctrl-C) runs only programs of the reference run, which ran to its
-end, and only reads the folder. Every run killed or stopped here is of the tiny config: a
-FedPAC_SOAP round calls host LAPACK, which the persistent cache does not keep, so each process
-would compile it again.
+writing one would leave a partial entry that later processes warn about. A process here that is
+killed (SIGKILL, a second Ctrl-C) runs the reference run's programs, which ran to its end, and a
+few the reference does not run (it saves every round, the killed runs do not), which it compiles
+and writes in its first rounds, before it is stopped. Every run killed or stopped here is of the
+tiny config: a FedPAC_SOAP round calls host LAPACK, which the persistent cache does not keep, so
+each process would compile it again.
 """
 
 from __future__ import annotations
@@ -1467,9 +1468,6 @@ _ABANDONED_READS = """
 import asyncio, sys, types
 from fedorth.train import checkpoint
 
-if sys.argv[1] == "hook":
-    checkpoint.drop_abandoned_io_reports()
-
 
 @types.coroutine
 def _suspend():
@@ -1490,12 +1488,6 @@ async def _another_coroutine():
         raise RuntimeError("another failure")
 
 
-for make in (_read_array_index_and_device_put, _another_coroutine):
-    coroutine = make()
-    coroutine.send(None)
-    del coroutine  # finalized now: GeneratorExit, then the finally's RuntimeError is unraisable
-
-
 async def _open_and_write():  # the name of orbax's write
     raise RuntimeError("abandoned write")
 
@@ -1504,12 +1496,23 @@ async def _another_task():
     raise RuntimeError("another task failure")
 
 
-loop = asyncio.new_event_loop()
-for make in (_open_and_write, _another_task):
-    task = loop.create_task(make())
-    loop.run_until_complete(asyncio.sleep(0))  # the task fails; nobody retrieves its exception
-    del task  # finalized now: asyncio logs "Task exception was never retrieved"
-loop.close()
+def abandon():
+    for make in (_read_array_index_and_device_put, _another_coroutine):
+        coroutine = make()
+        coroutine.send(None)
+        del coroutine  # finalized now: GeneratorExit, then the finally's RuntimeError is unraisable
+    loop = asyncio.new_event_loop()
+    for make in (_open_and_write, _another_task):
+        task = loop.create_task(make())
+        loop.run_until_complete(asyncio.sleep(0))  # the task fails; nobody retrieves its exception
+        del task  # finalized now: asyncio logs "Task exception was never retrieved"
+    loop.close()
+
+
+abandon()  # without the hook
+print("--- hook", file=sys.stderr, flush=True)
+checkpoint.drop_abandoned_io_reports()
+abandon()
 print("done")
 """
 
@@ -1518,27 +1521,20 @@ def test_the_commands_drop_late_reports_of_orbaxs_abandoned_reads_and_writes_onl
     """A corrupted checkpoint's one line must stay one: orbax's abandoned reads can be finalized
     after the fallback's own garbage collection, each printed as "Exception ignored in:
     <coroutine _read_array_index_and_device_put>". The hook the commands install (in a real
-    process, as they run) drops exactly those; another coroutine's failure is still printed."""
-    runs = {
-        mode: subprocess.run(
-            [sys.executable, "-c", _ABANDONED_READS, mode],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        for mode in ("plain", "hook")
-    }
-    for run in runs.values():
-        assert run.returncode == 0 and run.stdout.split() == ["done"], run.stderr
-    assert "_read_array_index_and_device_put" in runs["plain"].stderr  # what the hook is for
-    assert "another failure" in runs["plain"].stderr
-    assert "_read_array_index_and_device_put" not in runs["hook"].stderr, runs["hook"].stderr
-    assert "abandoned read" not in runs["hook"].stderr
-    assert "another failure" in runs["hook"].stderr and "_another_coroutine" in runs["hook"].stderr
-    # A full disk's save: its abandoned writes, reported by asyncio when they are finalized.
-    assert "_open_and_write" in runs["plain"].stderr and "abandoned write" in runs["plain"].stderr
-    assert (
-        "_open_and_write" not in runs["hook"].stderr
-        and "abandoned write" not in runs["hook"].stderr
+    process, as they run) drops exactly those; another coroutine's failure is still printed. One
+    process shows the failures without the hook, then installs it and shows them again."""
+    run = subprocess.run(
+        [sys.executable, "-c", _ABANDONED_READS], capture_output=True, text=True, timeout=120
     )
-    assert "another task failure" in runs["hook"].stderr and "_another_task" in runs["hook"].stderr
+    assert run.returncode == 0 and run.stdout.split() == ["done"], run.stderr
+    plain, hook = run.stderr.split("--- hook\n")  # the same failures, before and after the hook
+    stderr = {"plain": plain, "hook": hook}
+    assert "_read_array_index_and_device_put" in stderr["plain"]  # what the hook is for
+    assert "another failure" in stderr["plain"]
+    assert "_read_array_index_and_device_put" not in stderr["hook"], stderr["hook"]
+    assert "abandoned read" not in stderr["hook"]
+    assert "another failure" in stderr["hook"] and "_another_coroutine" in stderr["hook"]
+    # A full disk's save: its abandoned writes, reported by asyncio when they are finalized.
+    assert "_open_and_write" in stderr["plain"] and "abandoned write" in stderr["plain"]
+    assert "_open_and_write" not in stderr["hook"] and "abandoned write" not in stderr["hook"]
+    assert "another task failure" in stderr["hook"] and "_another_task" in stderr["hook"]
