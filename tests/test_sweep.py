@@ -132,13 +132,27 @@ def compare(replicas, round_, states, metrics, exact: bool):
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=replica.name)
 
 
+# Each algorithm under one client strategy, each client strategy under one algorithm, and each
+# pair under both replica strategies: every (algorithm, replica strategy) and every (client
+# strategy, replica strategy) pair is tested once. The single round of every algorithm under
+# every client strategy is tests/test_fed_golden.py's, bit for bit. The pairs share programs
+# with the tests below: FedAvg over vmapped clients with test_auto_on_an_accelerator_..., the
+# FedPAC_SOAP single runs (host callbacks: never served by XLA's persistent cache) with the
+# FedPAC_SOAP group of test_traced_hyperparameters_..., SCAFFOLD's sharded rounds with
+# test_sharded_sequential_... and test_stack_and_unstack_are_inverse.
+REPLICA_CASES = [
+    ("fedavg", "vmap"),
+    ("fedpac_soap", "sequential"),
+    ("fedmuon", "chunked"),
+    ("scaffold", "sharded"),  # SCAFFOLD's per-client control variates, vmapped over replicas
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("client_strategy", CLIENT_STRATEGIES)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name, client_strategy", REPLICA_CASES)
 def test_each_replica_is_its_single_run(name, client_strategy):
     """Sequential replicas are their single runs bit for bit, vmapped replicas to float32
-    rounding, in each client strategy but chunked (the same single runs serve both; vmapped over
-    sharded clients, SCAFFOLD)."""
+    rounding (the same single runs serve both)."""
     config = tiny(name, client_strategy)
     grid_values = GRID
     if client_strategy == "sharded":
@@ -154,10 +168,6 @@ def test_each_replica_is_its_single_run(name, client_strategy):
         assert len(round_.replicas[0].experiment.round_fn.devices) == 2  # S = 2 over 2 devices
     compare(replicas, round_, states, metrics, exact=True)
 
-    if client_strategy == "chunked" or (client_strategy == "sharded" and name != "scaffold"):
-        # Vmapped replicas over vmapped and sequential clients (a chunk of one client is the
-        # sequential round), and over sharded ones for SCAFFOLD's per-client state.
-        return
     replicas, round_, states, metrics = sweep(config, GRID, "vmap")
     assert round_.strategy == "vmap" and round_.units == [[0, 1]]
     assert round_.client_strategy == client_strategy
@@ -301,7 +311,7 @@ def test_traced_hyperparameters_compile_one_round_and_each_replica_is_its_single
 
 @pytest.mark.parametrize("replica_strategy", ["sequential", "vmap"])
 def test_stack_and_unstack_are_inverse(replica_strategy):
-    config = tiny("scaffold", "vmap")  # the programs of test_each_replica_is_its_single_run
+    config = tiny("scaffold", "sharded")  # the programs of test_each_replica_is_its_single_run
     grid = Grid(config, {"seed": [42, 43, 44], "optim.learning_rate": [LEARNING_RATE]})
     round_ = ReplicaRound.from_grid(grid, strategy=replica_strategy, chunk_size=2)
     states, _ = round_(round_.initial_states())
@@ -421,13 +431,20 @@ def _command(module: str, workdir: pathlib.Path, *args: str) -> list[str]:
     return [sys.executable, "-m", module, f"--workdir={workdir}", *TINY_ARGS, *args]
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+def _env(cache: pathlib.Path | None = None) -> dict[str, str]:
+    """The commands' environment; with ``cache``, a persistent compilation cache folder of their
+    own, every program cached. JAX writes an entry non-atomically: a process that may be killed
+    gets a folder only if every program it runs is already there (it then only reads)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
+def _run(command: list[str], cache: pathlib.Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=600
+        command, cwd=REPO, capture_output=True, text=True, env=_env(cache), timeout=600
     )
 
 
@@ -455,17 +472,21 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
     """A sweep killed (SIGKILL) after its second checkpoint (of four) and started again by the
     same command ends with the metrics of an uninterrupted sweep; each replica's metrics equal
     those of ``experiments.main`` with the replica's values (seed 43, lr 0.05 here), and
-    ``experiments.report`` reads the sweep as four runs in two groups of two seeds."""
+    ``experiments.report`` reads the sweep as four runs in two groups of two seeds.
+
+    The commands share a compilation cache folder: the uninterrupted sweep, which runs to its
+    end, fills it, and the killed sweep runs the same programs (only reads it)."""
     rounds = ["--config.fed.rounds=16"]
+    cache = tmp_path / "compilation_cache"
     whole = tmp_path / "whole"
-    first = _run(_command("experiments.sweep", whole, *rounds, *SWEEP_ARGS))
+    first = _run(_command("experiments.sweep", whole, *rounds, *SWEEP_ARGS), cache)
     assert first.returncode == 0, first.stderr
     assert "Sweep of 4 replicas x 16 rounds: replicas sequential" in first.stderr, first.stderr
     assert "ETA" in first.stderr, "the progress line"
     killed = tmp_path / "killed"
     command = _command("experiments.sweep", killed, *rounds, *SWEEP_ARGS)
     with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log, env=_env())
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log, env=_env(cache))
         deadline = time.monotonic() + 300
         while len(_steps(killed)) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -473,7 +494,7 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()
     assert max(_steps(killed)) < 16, "killed mid-sweep"
-    again = _run(command)
+    again = _run(command, cache)
     assert again.returncode == 0, again.stderr
     assert "Resumed the sweep from round" in again.stderr
     assert "Sweep of 4 replicas x 16 rounds" in again.stderr
@@ -490,7 +511,7 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
 
     single = tmp_path / "single"
     args = [*rounds, "--config.seed=43", "--config.optim.learning_rate=0.05"]
-    alone = _run(_command("experiments.main", single, *args))
+    alone = _run(_command("experiments.main", single, *args), cache)
     assert alone.returncode == 0, alone.stderr
     replica = whole / "seed=43,optim.learning_rate=0.05"
     assert _rows(replica) == _rows(single)
