@@ -54,18 +54,23 @@ def _golden_algorithm(case):
     return fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
 
 
-def _golden_rounds(alg, strategy, chunk_size=None, *, rounds=golden.ROUNDS):
-    """Rounds of `alg` on the golden test's problem with its settings (tests/test_fed_golden.py
-    ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05. The golden cases' vmap and sharded rounds
-    are then the golden test's own programs, compiled once for both tests (the suite's
-    persistent compilation cache keys on the program)."""
+def golden_round(alg, strategy, chunk_size=None, **options):
+    """(round_fn, server, data) of `alg` on the golden test's problem with its settings
+    (tests/test_fed_golden.py ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05. The golden
+    cases' rounds are then the golden test's own programs, compiled once for both tests (the
+    suite's persistent compilation cache keys on the program). `options`: of make_round_fn."""
     params, model_state, loss_fn = golden._problem(minimax=False)
     n, s, k = golden.NUM_CLIENTS, golden.CLIENTS_PER_ROUND, golden.LOCAL_STEPS
     config = fed.RoundConfig(n, s, k, 0.05, strategy=strategy, chunk_size=chunk_size)
     data = jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
     server = fed.init_server(alg, params, model_state, num_clients=n, key=jax.random.key(1))
-    round_fn = fed.make_round_fn(alg, loss_fn, fp.batch_fn, config)
-    for _ in range(rounds):
+    return fed.make_round_fn(alg, loss_fn, fp.batch_fn, config, **options), server, data
+
+
+def _golden_rounds(alg, strategy, chunk_size=None):
+    """(server, metrics) after the golden test's three rounds (`golden_round`)."""
+    round_fn, server, data = golden_round(alg, strategy, chunk_size)
+    for _ in range(golden.ROUNDS):
         server, metrics = round_fn(server, data)
     return server, metrics
 

@@ -72,13 +72,23 @@ def _run(round_fn, server, data, rounds=3):
     return server, history
 
 
+def _golden_setup(strategy, timer=None):
+    """SCAFFOLD on tests/test_fed_golden.py's problem and settings (S = 4 of 6 clients, K = 2):
+    its vmap and sequential rounds are the golden test's programs, compiled once for both
+    tests (tests/test_fed_engine.py ``golden_round``)."""
+    from test_fed_engine import _golden_algorithm, golden_round
+
+    kwargs = {"timer": timer} if timer else {}
+    return golden_round(_golden_algorithm("scaffold"), strategy, **kwargs)
+
+
 def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
     """Fake clock: sequential's round is the faster (vmap is the fallback, so this choice is
     the measurement's)."""
     fastest, order = "sequential", ("vmap", "sequential")
     round_s = {"vmap": 0.3, "sequential": 0.1}
     compile_s = {"vmap": 2.0, "sequential": 1.5}
-    round_fn, server, data = _setup("auto", fake_clock(compile_s, round_s, order))
+    round_fn, server, data = _golden_setup("auto", fake_clock(compile_s, round_s, order))
     assert isinstance(round_fn, fed.MeasuredRoundFn) and round_fn.strategy == "auto"
     assert autotune.candidate_strategies(round_fn.config) == order
     with_chunks = dataclasses.replace(round_fn.config, chunk_size=3)
@@ -103,7 +113,7 @@ def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
     compiles = len(BACKEND_COMPILES)
     measured, measured_history = _run(round_fn, server, data)
     assert len(BACKEND_COMPILES) == compiles, "the rounds reuse the measured compilation"
-    fixed_fn, fixed_server, _ = _setup(fastest)
+    fixed_fn, fixed_server, _ = _golden_setup(fastest)
     fixed, fixed_history = _run(fixed_fn, fixed_server, data)
     # Bit for bit: every round, the first included, is the chosen strategy's round.
     for a, b in zip(jax.tree.leaves(measured.params), jax.tree.leaves(fixed.params), strict=True):
