@@ -28,7 +28,7 @@ from fedorth.models.layers import (
     max_pool,
     resolve_conv_impl,
 )
-from fedorth.models.llama import LLAMA_SIZES, apply_rotary, rms_norm
+from fedorth.models.llama import LLAMA_SIZES, Llama, apply_rotary, rms_norm
 from fedorth.models.resnet import ResNet18
 from fedorth.models.vit import patchify, sinusoidal_positions
 
@@ -76,7 +76,7 @@ TINY = {
     "vit_tiny": (dict(dim=16, depth=1, num_heads=2, num_classes=10), (4, 8, 8, 3), None, 10),
     "vit_zg": (dict(dim=16, depth=1, num_heads=2, head_dim=8, mlp_dim=32), (4, 8, 8, 3), None, 10),
     "rnn": (dict(hidden_size=8, vocab_size=20, embed_dim=6), (4, 5), 20, 2),
-    "llama": (dict(size="tiny"), (4, 9), 256, None),
+    "llama": (dict(num_layers=1), (4, 9), 256, None),  # the "tiny" shape, one layer
 }
 
 
@@ -87,6 +87,13 @@ def tiny_model(name: str, **overrides) -> Model:
         # layers at more channels, which the full-size counts above check through eval_shape.
         kwargs = dict(num_classes=10, width=0.125, stage_sizes=(1, 1, 0, 0)) | overrides
         return Model(ResNet18(**kwargs))
+    if name == "llama":
+        # The "tiny" shape with one decoder layer instead of two: every layer type (embedding,
+        # rotary attention, SwiGLU MLP, RMSNorms, untied output), half the compile; the sizes'
+        # full depths are counted through eval_shape above.
+        s = LLAMA_SIZES["tiny"]
+        layer = (s.vocab_size, s.hidden_size, s.intermediate_size, s.num_heads)
+        return Model(Llama(*layer, **(TINY[name][0] | overrides)), task="lm")
     return get_model(name, **(TINY[name][0] | overrides))
 
 
