@@ -16,8 +16,9 @@ bottom against the *installed wheel*, not the source tree.
   the install cell install the wheel from the run folder with no package index, runs the
   wheel's ``fedorth`` command beside a user's own ``configs/`` and ``experiments/``, and executes
   every notebook in a kernel of that environment from that folder (two kernels at once); the
-  kernel's ``fedorth`` must be the wheel's. It takes 150-170 CPU-seconds (measured on a loaded
-  2-core machine, 3.7 min wall there).
+  kernel's ``fedorth`` must be the wheel's. It takes about 100 CPU-seconds, most of them XLA
+  compiling the notebooks' rollouts (user+sys of ``python -m pytest -n 0 tests/test_notebooks.py
+  -k wheel``; 3.5 min wall on a heavily loaded 2-core machine).
 """
 
 import configparser
