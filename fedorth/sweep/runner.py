@@ -219,6 +219,12 @@ def _run(config, replica_round: ReplicaRound, folders, writers, checkpointer, st
             rows.append(row)
         progress.update(0, summary(rows))
     last_rows = [w.rows()[-1] if w.rows() else {} for w in writers]
+
+    def save_curves() -> None:
+        for writer, folder in zip(writers, folders, strict=True):
+            plots.save_curves(writer.rows(), folder / "curves.png")
+
+    ran = done < rounds
     try:
         while done < rounds:
             states, metrics = replica_round(states)
@@ -255,8 +261,7 @@ def _run(config, replica_round: ReplicaRound, folders, writers, checkpointer, st
             every = checkpointer.every
             if is_last or (every and done % every == 0):
                 checkpointer.save(replica_round.stack(states), force=is_last)
-                for index, writer in enumerate(writers):
-                    plots.save_curves(writer.rows(), folders[index] / "curves.png")
+                save_curves()
     except KeyboardInterrupt as e:
         checkpointer.manager.wait_until_finished()
         last = checkpointer.manager.latest_step()
@@ -265,6 +270,6 @@ def _run(config, replica_round: ReplicaRound, folders, writers, checkpointer, st
             f"{last if last is not None else 0} ({checkpointer.workdir})."
         ) from e
     checkpointer.save(replica_round.stack(states), force=True)
-    for index, writer in enumerate(writers):
-        plots.save_curves(writer.rows(), folders[index] / "curves.png")
+    if not ran:  # a finished sweep started again (the loop draws its last round's curves)
+        save_curves()
     return last_rows
