@@ -122,6 +122,10 @@ def tree_digest(tree: Any) -> str:
     return h.hexdigest()
 
 
+# The coroutines of orbax's array reads and writes (orbax.checkpoint's type handlers).
+_ORBAX_READ, _ORBAX_WRITE = "_read_array_index_and_device_put", "_open_and_write"
+
+
 def _collect_abandoned_reads() -> None:
     """Garbage-collects the reads orbax abandons when one array of a step fails, quietly.
 
@@ -139,7 +143,7 @@ def _collect_abandoned_reads() -> None:
 def _abandoned_read(unraisable) -> bool:
     """Whether an unraisable exception is orbax's abandoned read (or its callback into a closed
     event loop): the two kinds ``_collect_abandoned_reads`` collects."""
-    if "_read_array_index_and_device_put" in repr(unraisable.object):
+    if _ORBAX_READ in repr(unraisable.object):
         return True
     closed_loop = isinstance(unraisable.exc_value, RuntimeError)
     return (
@@ -178,12 +182,8 @@ def _not_an_abandoned_write(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not (
         message.startswith("Task exception was never retrieved")
-        and any(name in message for name in _ORBAX_IO_COROUTINES)
+        and any(f"{name}()" in message for name in (_ORBAX_READ, _ORBAX_WRITE))
     )
-
-
-# The coroutines of orbax's array reads and writes (orbax.checkpoint type handlers).
-_ORBAX_IO_COROUTINES = ("_open_and_write()", "_read_array_index_and_device_put()")
 
 
 def _warn(message: str) -> None:
