@@ -117,12 +117,14 @@ def start_rounds(
     key: int = 0,
     loss_fn=loss_fn,
     batch_fn=batch_fn,
+    timer=None,
     **round_options,
 ) -> Rounds:
     """``fed.init_server`` (server key ``jax.random.key(key)``) and ``fed.make_round_fn`` of
     ``algorithm`` on ``loss_fn``/``batch_fn`` (default: the quadratic clients above), from
     ``params`` (default :func:`zero_params`) and ``model_state`` (default none: ``{}``);
-    ``round_options``: further fields of ``fed.RoundConfig`` (e.g. ``spectral_drift``)."""
+    ``round_options``: further fields of ``fed.RoundConfig`` (e.g. ``spectral_drift``);
+    ``timer``: the clock of a measured strategy (``fed.make_round_fn``'s)."""
     config = fed.RoundConfig(
         num_clients=num_clients,
         clients_per_round=clients_per_round,
@@ -140,7 +142,8 @@ def start_rounds(
         num_clients=num_clients,
         key=jax.random.key(key),
     )
-    return Rounds(server, fed.make_round_fn(algorithm, loss_fn, batch_fn, config), config)
+    timing = {} if timer is None else {"timer": timer}
+    return Rounds(server, fed.make_round_fn(algorithm, loss_fn, batch_fn, config, **timing), config)
 
 
 def run_rounds(algorithm, data, *, rounds: int, **settings) -> tuple[Any, list[dict]]:

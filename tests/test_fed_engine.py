@@ -54,17 +54,29 @@ def _golden_algorithm(case):
     return fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
 
 
-def golden_round(alg, strategy, chunk_size=None, **options):
+def golden_round(alg, strategy, chunk_size=None, timer=None):
     """(round_fn, server, data) of `alg` on the golden test's problem with its settings
-    (tests/test_fed_golden.py ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05. The golden
-    cases' rounds are then the golden test's own programs, compiled once for both tests (the
-    suite's persistent compilation cache keys on the program). `options`: of make_round_fn."""
+    (tests/test_fed_golden.py ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05, server key 1.
+    The golden cases' rounds are then the golden test's own programs, compiled once for both
+    tests (the suite's persistent compilation cache keys on the program). `timer`: the clock
+    of a measured strategy."""
     params, model_state, loss_fn = golden._problem(minimax=False)
-    n, s, k = golden.NUM_CLIENTS, golden.CLIENTS_PER_ROUND, golden.LOCAL_STEPS
-    config = fed.RoundConfig(n, s, k, 0.05, strategy=strategy, chunk_size=chunk_size)
-    data = jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
-    server = fed.init_server(alg, params, model_state, num_clients=n, key=jax.random.key(1))
-    return fed.make_round_fn(alg, loss_fn, fp.batch_fn, config, **options), server, data
+    n = golden.NUM_CLIENTS
+    server, round_fn, _ = fp.start_rounds(
+        alg,
+        num_clients=n,
+        clients_per_round=golden.CLIENTS_PER_ROUND,
+        local_steps=golden.LOCAL_STEPS,
+        learning_rate=0.05,
+        params=params,
+        model_state=model_state,
+        strategy=strategy,
+        chunk_size=chunk_size,
+        key=1,
+        loss_fn=loss_fn,
+        timer=timer,
+    )
+    return round_fn, server, jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
 
 
 def _golden_rounds(alg, strategy, chunk_size=None):

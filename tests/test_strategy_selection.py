@@ -78,8 +78,7 @@ def _golden_setup(strategy, timer=None):
     tests (tests/test_fed_engine.py ``golden_round``)."""
     from test_fed_engine import _golden_algorithm, golden_round
 
-    kwargs = {"timer": timer} if timer else {}
-    return golden_round(_golden_algorithm("scaffold"), strategy, **kwargs)
+    return golden_round(_golden_algorithm("scaffold"), strategy, timer=timer)
 
 
 def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
