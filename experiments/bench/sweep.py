@@ -86,7 +86,11 @@ def _random_cifar100(config, seed):
 
 
 def gpu_section(
-    replicas: int, dtypes: list[str], timed_rounds: int, conv_impl: str = "matmul"
+    replicas: int,
+    dtypes: list[str],
+    timed_rounds: int,
+    conv_impl: str = "matmul",
+    on_row=None,
 ) -> list[dict]:
     """Replica-rounds/s of R vmapped replicas and of one run, per dtype.
 
@@ -94,6 +98,8 @@ def gpu_section(
     at a time); the vmapped replicas use ``conv_impl`` (default im2col + dot, ``"matmul"``):
     vmapped native convolutions with per-replica weights become grouped convolutions, which ran
     at 0.38x on an H100 (fedorth.fed.round), while vmapped im2col ones become batched matmuls.
+    ``on_row(rows)`` is called after each dtype with the rows so far (a run cut off by a time
+    limit keeps them).
     """
     import jax
 
@@ -130,6 +136,8 @@ def gpu_section(
             rates[name] = len(round_.replicas) * timed_rounds / seconds
         one, vmapped = rates.values()
         out.append({"dtype": dtype, "replica_rounds_per_s": rates, "ratio": vmapped / one})
+        if on_row is not None:
+            on_row(out)
     return out
 
 
@@ -164,14 +172,21 @@ def main(argv: list[str]) -> int:
             f"metrics equal the runs': {result['identical_metrics']}"
         )
     else:
+        print("| dtype | one run (replica-rounds/s) | vmapped replicas | ratio |", flush=True)
+        print("| --- | --- | --- | --- |", flush=True)
+
+        def on_row(rows):
+            one, many = rows[-1]["replica_rounds_per_s"].values()
+            print(
+                f"| {rows[-1]['dtype']} | {one:.3f} | {many:.3f} | {rows[-1]['ratio']:.2f}x |",
+                flush=True,
+            )
+            if args.json:
+                pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+
         result = gpu_section(
-            args.replicas, args.dtypes.split(","), args.timed_rounds, args.conv_impl
+            args.replicas, args.dtypes.split(","), args.timed_rounds, args.conv_impl, on_row
         )
-        print("| dtype | one run (replica-rounds/s) | vmapped replicas | ratio |")
-        print("| --- | --- | --- | --- |")
-        for row in result:
-            one, many = row["replica_rounds_per_s"].values()
-            print(f"| {row['dtype']} | {one:.3f} | {many:.3f} | {row['ratio']:.2f}x |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
