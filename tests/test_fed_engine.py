@@ -96,12 +96,13 @@ def test_strategies_give_the_same_server_state(case):
     rounding: parameters, the clients' kept state and every metric (client_drift,
     client_cosine, train_loss, precond_drift for FedPAC over AdamW).
 
-    tests/test_fed_golden.py runs every registered algorithm under vmap, chunked (chunks of 2, no
-    remainder), sequential and sharded on this problem and checks that they agree (atol 1e-4)
-    and equal recorded bytes; test_streamed_client_summaries_equal_the_whole_stack checks the
-    per-client (sequential) and per-chunk merges of the metrics' summaries against float64 NumPy
-    in any grouping; test_auto_strategy_shards_clients_over_the_devices_that_divide_s the mesh
-    of other S (6 of the 8 devices for S = 6)."""
+    tests/test_fed_golden.py runs every registered algorithm under vmap and sequential, and cases
+    covering every engine path also under chunked (chunks of 2, no remainder) and sharded, on
+    this problem, and checks that they agree (atol 1e-4) and equal recorded bytes;
+    test_streamed_client_summaries_equal_the_whole_stack checks the per-client (sequential) and
+    per-chunk merges of the metrics' summaries against float64 NumPy in any grouping;
+    test_auto_strategy_shards_clients_over_the_devices_that_divide_s the mesh of other S (6 of
+    the 8 devices for S = 6)."""
     assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
     alg = _golden_algorithm(case)
     ref, ref_metrics = _golden_rounds(alg, "vmap")

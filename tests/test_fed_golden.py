@@ -1,13 +1,25 @@
-"""Golden rounds: every registered algorithm under every strategy, bit for bit.
+"""Golden rounds: every registered algorithm, bit for bit, under the strategies that compile it.
 
 For each case of :data:`CASES` (every name of ``fed.ALGORITHMS``, plus a few options that take
-another engine path) and each strategy (``vmap``, ``chunked`` in chunks of two,
-``sequential``, ``sharded`` over the fake CPU devices of tests/conftest.py), three rounds on a
-tiny problem; the SHA-256 of the bytes of each part of the final server state (parameters, model
-state, optimizer state, ``g_G``, control variates, server optimizer state, the clients' kept
-state, ``extra``) and of the last round's metrics must equal ``tests/fixtures/fed_golden.json``:
-a tolerance of zero. The engine's code can then move (modules, per-axis specs) only if every
-algorithm computes exactly what it computed before.
+another engine path), three rounds on a tiny problem under ``vmap`` and ``sequential``; the
+SHA-256 of the bytes of each part of the final server state (parameters, model state, optimizer
+state, ``g_G``, control variates, server optimizer state, the clients' kept state, ``extra``) and
+of the last round's metrics must equal ``tests/fixtures/fed_golden.json``: a tolerance of zero.
+The engine's code can then move (modules, per-axis specs) only if every algorithm computes
+exactly what it computed before.
+
+Which strategies. An algorithm's own code (local steps, upload, server update) is compiled in
+two ways: vmapped over clients (``vmap``; ``chunked`` vmaps chunks of two) and one client at a
+time (``sequential``; ``sharded`` over the fake CPU devices of tests/conftest.py runs each
+device's clients sequentially). What ``chunked`` and ``sharded`` add is generic: the scan over
+chunks and the all-reduce of the clients' summaries (``fed.execution``, ``fed.reduce``), whose
+input is what the algorithm uploads and keeps. So every case runs under ``vmap`` and
+``sequential``, and :data:`EVERY_STRATEGY`, cases that together take every value of every axis
+of the algorithm record (how clients start, corrections, server quantities, reports, the server
+rule, full participation, minimax, the local optimizer; :func:`engine_paths`), also runs under
+``chunked`` and ``sharded``; a test checks that every value met in :data:`CASES` is covered.
+``FEDORTH_GOLDEN_ALL=1`` runs every case under all four strategies (about two and a half
+times the CPU; before an engine refactoring), and recording always does.
 
 If this test fails:
 
@@ -94,6 +106,86 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 }
 
 
+# Cases also run under "chunked" and "sharded": together they take every value of
+# engine_paths(case) met in CASES (test_every_engine_path_runs_under_every_strategy). SCAFFOLD,
+# FedMuon-LMO and FedPAC are also tests/test_fed_engine.py's strategy cases (same programs).
+EVERY_STRATEGY = (
+    "scaffold",
+    "fedmuon_bc",
+    "fedpac",
+    "fedmuon_da",
+    "fedpm",
+    "fafed",
+    "fedpac_soap_light",
+    "f_sagda",
+    "fedmuon_zg",
+    "fedpac[state,server_lr]",
+)
+
+
+def _algorithm(case: str):
+    name, optim, options = CASES[case]
+    return fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
+
+
+def engine_paths(case: str) -> set[str]:
+    """The values of the algorithm record's axes that a case's round takes: how clients start
+    (and which of the start's masks, kept leaves and compression are set), the corrections
+    (global direction, control variate, prepass), server quantities, client reports, the server
+    rule and combine step, full participation, minimax, and the local optimizer."""
+    name, optim, _ = CASES[case]
+    alg = _algorithm(case)
+    paths = {
+        f"start={type(alg.start).__name__}",
+        f"rule={type(alg.server.rule).__name__}",
+        f"optimizer={optim['name']}",
+    }
+    paths |= {
+        f"start.{attr}"
+        for attr in ("mask", "keep", "compression")
+        if getattr(alg.start, attr, None) is not None
+    }
+    corrections = alg.corrections
+    if corrections.global_direction:
+        paths.add("global_direction")
+    if corrections.control is not None:
+        paths.add(f"control={type(corrections.control).__name__}")
+    if corrections.prepass is not None:
+        paths.add(f"prepass(per_client={corrections.prepass.per_client})")
+    if alg.quantities is not None:
+        paths.add("quantities")
+    if alg.report is not None:
+        paths.add(f"report(floats={bool(alg.report.floats)})")
+    if alg.server.combine is not None:
+        paths.add("combine")
+    if alg.full_participation_only:
+        paths.add("full_participation")
+    if _minimax(name):
+        paths.add("minimax")
+    return paths
+
+
+def strategies(case: str) -> tuple[str, ...]:
+    """The strategies a case runs under (module docstring)."""
+    if (
+        case in EVERY_STRATEGY
+        or os.environ.get("FEDORTH_GOLDEN_ALL") == "1"
+        or os.environ.get("FEDORTH_RECORD_GOLDEN") == "1"
+    ):
+        return STRATEGIES
+    return ("vmap", "sequential")
+
+
+def test_every_engine_path_runs_under_every_strategy():
+    every = set().union(*(engine_paths(case) for case in CASES))
+    covered = set().union(*(engine_paths(case) for case in EVERY_STRATEGY))
+    assert every - covered == set(), (
+        f"no case of EVERY_STRATEGY takes {sorted(every - covered)}: add one that does, so that "
+        "chunked and sharded rounds run it (module docstring)"
+    )
+    assert len(every) >= 26, sorted(every)  # what the cases took when this test was written
+
+
 def test_every_registered_algorithm_has_a_case():
     assert {name for name, _, _ in CASES.values()} == set(fed.ALGORITHMS), (
         "a new algorithm needs a golden case: add it to CASES and re-record (module docstring)"
@@ -124,8 +216,8 @@ def _problem(minimax: bool):
 
 
 def _run(case: str, strategy: str):
-    name, optim, options = CASES[case]
-    alg = fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
+    name = CASES[case][0]
+    alg = _algorithm(case)
     n = CLIENTS_PER_ROUND if alg.full_participation_only else NUM_CLIENTS
     params, model_state, loss_fn = _problem(_minimax(name))
     config = fed.RoundConfig(
@@ -177,18 +269,22 @@ def _record(case: str, results: dict) -> None:
 @pytest.mark.cpu_devices
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rounds_match_the_golden_fingerprints(case):
-    runs = {strategy: _run(case, strategy) for strategy in STRATEGIES}
+    runs = {strategy: _run(case, strategy) for strategy in strategies(case)}
     got = {
         strategy: {part: _fingerprint(tree) for part, tree in _parts(*run).items()}
         for strategy, run in runs.items()
     }
     if os.environ.get("FEDORTH_RECORD_GOLDEN") == "1":
         _record(case, got)
+    for strategy, run in runs.items():  # equal bytes could be NaNs recorded as they came
+        for path, leaf in jax.tree_util.tree_leaves_with_path(_parts(*run)):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.isfinite(leaf).all(), f"{case} {strategy}: {jax.tree_util.keystr(path)}"
     # The strategies agree up to float reassociation (a check that needs no golden file). atol:
     # SOAP's eigenbases move with their eigen-gaps (1.3e-5 on entries of order 0.1 between
     # fedpac_soap_light's chunked and vmap rounds here); the golden bytes are the exact check.
     reference = jax.tree.leaves(_parts(*runs["vmap"]))
-    for strategy in STRATEGIES[1:]:
+    for strategy in list(runs)[1:]:
         other = jax.tree.leaves(_parts(*runs[strategy]))
         assert len(other) == len(reference), strategy
         for a, b in zip(reference, other, strict=True):
@@ -200,7 +296,7 @@ def test_rounds_match_the_golden_fingerprints(case):
     assert case in golden, f"no golden for {case!r}: record it (module docstring)"
     changed = [
         f"{strategy}.{part}"
-        for strategy in STRATEGIES
+        for strategy in runs
         for part in got[strategy]
         if got[strategy][part] != golden[case][strategy][part]
     ]
