@@ -25,22 +25,21 @@ def noisy_loss_fn(params, model_state, batch, key):
 def _server_after(
     alg, strategy, *, rounds=3, n=8, s=8, k=3, chunk_size=None, data=None, spectral_drift=False
 ):
-    data = data if data is not None else fp.quadratic_clients(n, seed=5)
-    config = fed.RoundConfig(
+    server, history = fp.run_rounds(
+        alg,
+        data if data is not None else fp.quadratic_clients(n, seed=5),
+        rounds=rounds,
         num_clients=n,
         clients_per_round=s,
         local_steps=k,
         learning_rate=0.05,
         strategy=strategy,
         chunk_size=chunk_size,
+        key=1,
+        loss_fn=noisy_loss_fn,
         spectral_drift=spectral_drift,
     )
-    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-    server = fed.init_server(alg, params, {}, num_clients=n, key=jax.random.key(1))
-    round_fn = fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config)
-    for _ in range(rounds):
-        server, metrics = round_fn(server, jax.tree.map(jnp.asarray, data))
-    return server, metrics
+    return server, history[-1]
 
 
 # Cases of tests/test_fed_golden.py whose clients take other engine paths: SCAFFOLD's control
