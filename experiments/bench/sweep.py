@@ -171,6 +171,8 @@ def main(argv: list[str]) -> int:
             f"ratio sweep / runs: {result['ratio']:.2f}x (target <= 0.7x); replicas' final "
             f"metrics equal the runs': {result['identical_metrics']}"
         )
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     else:
         print("| dtype | one run (replica-rounds/s) | vmapped replicas | ratio |", flush=True)
         print("| --- | --- | --- | --- |", flush=True)
@@ -184,9 +186,7 @@ def main(argv: list[str]) -> int:
             if args.json:
                 pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
 
-        result = gpu_section(
+        gpu_section(
             args.replicas, args.dtypes.split(","), args.timed_rounds, args.conv_impl, on_row
         )
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
