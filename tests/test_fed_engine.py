@@ -47,12 +47,6 @@ def _server_after(
 STRATEGY_CASES = ("scaffold", "fedmuon_bc", "fedpac")
 
 
-def _golden_algorithm(case):
-    """The algorithm of a tests/test_fed_golden.py case, as its ``_run`` builds it."""
-    name, optim, options = golden.CASES[case]
-    return fed.get_algorithm(name, {**optim, "learning_rate": 0.05}, **options)
-
-
 def golden_round(alg, strategy, chunk_size=None, timer=None):
     """(round_fn, server, data) of `alg` on the golden test's problem with its settings
     (tests/test_fed_golden.py ``_run``): S = 4 of N = 6 clients, K = 2, lr 0.05, server key 1.
@@ -103,7 +97,7 @@ def test_strategies_give_the_same_server_state(case):
     test_auto_strategy_shards_clients_over_the_devices_that_divide_s the mesh of other S (6 of
     the 8 devices for S = 6)."""
     assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
-    alg = _golden_algorithm(case)
+    alg = golden._algorithm(case)
     ref, ref_metrics = _golden_rounds(alg, "vmap")
     assert set(ref_metrics) >= {"client_drift", "client_cosine", "train_loss"}
     if case == "fedpac":
@@ -443,7 +437,7 @@ def test_aggregate_mask_selects_the_aligned_part_of_the_state():
     )
     none = dataclasses.replace(aligned, start=mask(False))
     every = dataclasses.replace(aligned, start=mask(True))
-    local = _golden_algorithm("local_adamw")
+    local = golden._algorithm("local_adamw")
     assert local.name == "local_adamw" and aligned.name == "fedpac"
     run = lambda alg: _golden_rounds(alg, "vmap")[0].params["w"]  # noqa: E731
     w_local, w_aligned = run(local), run(aligned)  # each round compiled once

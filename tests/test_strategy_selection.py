@@ -76,9 +76,10 @@ def _golden_setup(strategy, timer=None):
     """SCAFFOLD on tests/test_fed_golden.py's problem and settings (S = 4 of 6 clients, K = 2):
     its vmap and sequential rounds are the golden test's programs, compiled once for both
     tests (tests/test_fed_engine.py ``golden_round``)."""
-    from test_fed_engine import _golden_algorithm, golden_round
+    import test_fed_golden as golden
+    from test_fed_engine import golden_round
 
-    return golden_round(_golden_algorithm("scaffold"), strategy, timer=timer)
+    return golden_round(golden._algorithm("scaffold"), strategy, timer=timer)
 
 
 def test_auto_keeps_the_faster_candidate_and_its_results(one_gpu, tmp_path):
