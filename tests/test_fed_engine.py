@@ -15,13 +15,6 @@ from fedorth import fed, models
 from fedorth.fed import metrics as fed_metrics
 
 
-def noisy_loss_fn(params, model_state, batch, key):
-    """The quadratic plus a key-dependent linear term: exercises the per-client/step keys."""
-    loss, aux = fp.loss_fn(params, model_state, batch, key)
-    noise = jax.random.normal(key, params["w"].shape)
-    return loss + 0.1 * jnp.sum(noise * params["w"]), aux
-
-
 def _server_after(
     alg, strategy, *, rounds=3, n=8, s=8, k=3, chunk_size=None, data=None, spectral_drift=False
 ):
@@ -36,7 +29,7 @@ def _server_after(
         strategy=strategy,
         chunk_size=chunk_size,
         key=1,
-        loss_fn=noisy_loss_fn,
+        loss_fn=fp.noisy_loss_fn,
         spectral_drift=spectral_drift,
     )
     return server, history[-1]
@@ -211,11 +204,11 @@ def test_sharded_round_uses_each_calls_key_implementation():
         server = fed.init_server(alg, params, {}, num_clients=4, key=key)
         return round_fn(server, data)[0]
 
-    reused = fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config)
+    reused = fed.make_round_fn(alg, fp.noisy_loss_fn, fp.batch_fn, config)
     first = after_one_round(reused, "rbg")
     second = after_one_round(reused, "unsafe_rbg")
     fresh = after_one_round(
-        fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config), "unsafe_rbg"
+        fed.make_round_fn(alg, fp.noisy_loss_fn, fp.batch_fn, config), "unsafe_rbg"
     )
     assert str(jax.random.key_impl(first.key)) == "rbg"
     assert str(jax.random.key_impl(second.key)) == "unsafe_rbg"
@@ -481,7 +474,7 @@ def test_precond_drift_counts_only_the_aligned_leaves_on_both_paths():
     server = fed.init_server(none, params, {}, num_clients=6, key=jax.random.key(1))
     for spectral in (False, True):
         config = fed.RoundConfig(6, 4, 3, 0.05, strategy="sequential", spectral_drift=spectral)
-        round_fn = fed.make_round_fn(none, noisy_loss_fn, fp.batch_fn, config)
+        round_fn = fed.make_round_fn(none, fp.noisy_loss_fn, fp.batch_fn, config)
         metrics = jax.eval_shape(round_fn, server, data)[1]
         assert "train_loss" in metrics and "precond_drift" not in metrics, (spectral, metrics)
 

@@ -203,8 +203,7 @@ def _problem(minimax: bool):
         params["dual"] = jnp.zeros((4, 2))
 
     def loss_fn(params, model_state, batch, key):
-        loss, _ = fp.loss_fn(params, model_state, batch, key)
-        loss = loss + 0.1 * jnp.sum(jax.random.normal(key, params["w"].shape) * params["w"])
+        loss, _ = fp.noisy_loss_fn(params, model_state, batch, key)  # a term read off the key
         if "dual" in params:  # f(x, y) = f(x) + <y, W[:, :2]> - 1/2 ||y||^2, concave in y
             y = params["dual"]
             loss = loss + jnp.sum(y * params["w"][:, :2]) - 0.5 * jnp.sum(y**2)

@@ -31,12 +31,6 @@ def one_gpu(monkeypatch):
     monkeypatch.setattr(execution, "_dividing_devices", lambda clients_per_round: 1)
 
 
-def noisy_loss_fn(params, model_state, batch, key):
-    """The quadratic plus a key-dependent term, so that reused or shifted keys would show."""
-    loss, aux = fp.loss_fn(params, model_state, batch, key)
-    return loss + 0.1 * jnp.sum(jax.random.normal(key, params["w"].shape) * params["w"]), aux
-
-
 def fake_clock(compile_s: dict, round_s: dict, order):
     """A timer returning, per candidate in ``order``: start, start + compile, + round."""
     ticks, now = [], 100.0
@@ -59,7 +53,7 @@ def _setup(strategy, timer=None, n=12, s=8, chunk_size=None):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
     server = fed.init_server(alg, params, {}, num_clients=n, key=jax.random.key(1))
     kwargs = {"timer": timer} if timer else {}
-    round_fn = fed.make_round_fn(alg, noisy_loss_fn, fp.batch_fn, config, **kwargs)
+    round_fn = fed.make_round_fn(alg, fp.noisy_loss_fn, fp.batch_fn, config, **kwargs)
     data = jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
     return round_fn, server, data
 
