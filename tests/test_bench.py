@@ -382,20 +382,19 @@ _PEER_CASES |= {
 
 
 def _peer_problem():
-    """fed_problems' quadratic clients with noise drawn from the batch and model keys (so the
-    two implementations must derive the same keys) and a float model state the server
-    averages."""
+    """fed_problems' quadratic clients with terms read off the batch and model keys
+    (``fed_problems.key_noise``: the two implementations must derive the same keys) and a float
+    model state the server averages."""
     import fed_problems as fp
 
     data = jax.tree.map(jnp.asarray, fp.quadratic_clients(6, seed=5))
 
     def batch_fn(data, client, key):
         batch = fp.batch_fn(data, client, key)
-        return {**batch, "B": batch["B"] + 0.1 * jax.random.normal(key, batch["B"].shape)}
+        return {**batch, "B": batch["B"] + 0.1 * fp.key_noise(key)}
 
     def loss_fn(params, model_state, batch, key):
-        loss, _ = fp.loss_fn(params, model_state, batch, key)
-        loss = loss + 0.1 * jnp.sum(jax.random.normal(key, params["w"].shape) * params["w"])
+        loss, _ = fp.noisy_loss_fn(params, model_state, batch, key)
         return loss, ({"ema": 0.9 * model_state["ema"] + 0.1 * params["b"]}, {})
 
     return data, fp.zero_params(), {"ema": jnp.zeros(3)}, loss_fn, batch_fn
