@@ -82,9 +82,9 @@ def test_strategies_give_the_same_server_state(case):
     rounding: parameters, the clients' kept state and every metric (client_drift,
     client_cosine, train_loss, precond_drift for FedPAC over AdamW).
 
-    tests/test_fed_golden.py runs every registered algorithm under vmap and sequential, and cases
-    covering every engine path also under chunked (chunks of 2, no remainder) and sharded, on
-    this problem, and checks that they agree (atol 1e-4) and equal recorded bytes;
+    tests/test_fed_golden.py runs every registered algorithm under vmap, and cases covering
+    every engine path under all four strategies (chunks of 2, no remainder), on this problem,
+    and checks that they agree (atol 1e-4) and equal recorded bytes;
     test_streamed_client_summaries_equal_the_whole_stack checks the per-client (sequential) and
     per-chunk merges of the metrics' summaries against float64 NumPy in any grouping;
     test_auto_strategy_shards_clients_over_the_devices_that_divide_s the mesh of other S (6 of

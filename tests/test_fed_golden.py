@@ -1,7 +1,7 @@
 """Golden rounds: every registered algorithm, bit for bit, under the strategies that compile it.
 
 For each case of :data:`CASES` (every name of ``fed.ALGORITHMS``, plus a few options that take
-another engine path), three rounds on a tiny problem under ``vmap`` and ``sequential``; the
+another engine path), three rounds on a tiny problem under the strategies below; the
 SHA-256 of the bytes of each part of the final server state (parameters, model state, optimizer
 state, ``g_G``, control variates, server optimizer state, the clients' kept state, ``extra``) and
 of the last round's metrics must equal ``tests/fixtures/fed_golden.json``: a tolerance of zero.
@@ -11,15 +11,19 @@ exactly what it computed before.
 Which strategies. An algorithm's own code (local steps, upload, server update) is compiled in
 two ways: vmapped over clients (``vmap``; ``chunked`` vmaps chunks of two) and one client at a
 time (``sequential``; ``sharded`` over the fake CPU devices of tests/conftest.py runs each
-device's clients sequentially). What ``chunked`` and ``sharded`` add is generic: the scan over
-chunks and the all-reduce of the clients' summaries (``fed.execution``, ``fed.reduce``), whose
-input is what the algorithm uploads and keeps. So every case runs under ``vmap`` and
-``sequential``, and :data:`EVERY_STRATEGY`, cases that together take every value of every axis
-of the algorithm record (how clients start, corrections, server quantities, reports, the server
-rule, full participation, minimax, the local optimizer; :func:`engine_paths`), also runs under
-``chunked`` and ``sharded``; a test checks that every value met in :data:`CASES` is covered.
-``FEDORTH_GOLDEN_ALL=1`` runs every case under all four strategies (about two and a half
-times the CPU; before an engine refactoring), and recording always does.
+device's clients sequentially). The two trace the same Python code of the algorithm; what
+differs is the engine's generic code around it: the vmap or scan over clients, the scan over
+chunks and the all-reduce of the clients' summaries (``fed.execution``, ``fed.reduce``).
+So every case runs under ``vmap`` (an accelerator's usual strategy), and :data:`EVERY_STRATEGY`,
+cases that together take every value of every axis of the algorithm record (how clients
+start, corrections, server quantities, reports, the server rule, full participation, minimax,
+the local optimizer; :func:`engine_paths`), runs under all four strategies; a test checks that
+every value met in :data:`CASES` is covered. Every algorithm's ``sequential`` round (the CPU's
+default) is also what the papers' float64 box tests run (tests/test_baselines.py,
+test_fed_algorithms.py, test_fedpac.py, test_minimax.py, ...). ``FEDORTH_GOLDEN_ALL=1`` runs
+every case under all four strategies (about twice the CPU; before an engine
+refactoring), and recording always does, so the strategies' agreement (below) holds for every
+case whenever its fingerprints are recorded.
 
 If this test fails:
 
@@ -175,7 +179,7 @@ def strategies(case: str) -> tuple[str, ...]:
         or os.environ.get("FEDORTH_RECORD_GOLDEN") == "1"
     ):
         return STRATEGIES
-    return ("vmap", "sequential")
+    return ("vmap",)
 
 
 def test_every_engine_path_runs_under_every_strategy():

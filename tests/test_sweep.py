@@ -134,8 +134,8 @@ def compare(replicas, round_, states, metrics, exact: bool):
 
 # Each algorithm under one client strategy, each client strategy under one algorithm, and each
 # pair under both replica strategies: every (algorithm, replica strategy) and every (client
-# strategy, replica strategy) pair is tested once. The single round of every algorithm under
-# every client strategy is tests/test_fed_golden.py's, bit for bit. The pairs share programs
+# strategy, replica strategy) pair is tested once. The single rounds of the algorithms under the
+# client strategies are tests/test_fed_golden.py's, bit for bit. The pairs share programs
 # with the tests below: FedAvg over vmapped clients with test_auto_on_an_accelerator_..., the
 # FedPAC_SOAP single runs (host callbacks: never served by XLA's persistent cache) with the
 # FedPAC_SOAP group of test_traced_hyperparameters_..., SCAFFOLD's sharded rounds with
