@@ -57,8 +57,8 @@ def xla_cache(tmp_path_factory) -> pathlib.Path:
 
 def _env(devices: int, xla_cache: pathlib.Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    # The test process's 8 forced fake devices go; its other XLA flags (tests/conftest.py's
-    # code generation level) stay, so that every run compiles alike.
+    # The test process's 8 forced fake devices go; any other XLA flags the user set stay, so
+    # that every run compiles alike.
     env["XLA_FLAGS"] = " ".join(
         flag
         for flag in os.environ.get("XLA_FLAGS", "").split()
