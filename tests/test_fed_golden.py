@@ -110,7 +110,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 }
 
 
-# Cases also run under "chunked" and "sharded": together they take every value of
+# Cases run under all four strategies (the others under "vmap"): together they take every value of
 # engine_paths(case) met in CASES (test_every_engine_path_runs_under_every_strategy). SCAFFOLD,
 # FedMuon-LMO and FedPAC are also tests/test_fed_engine.py's strategy cases (same programs);
 # of the minimax cases with a control variate, server quantities and reports, Fed-NSGDA-M
