@@ -187,7 +187,7 @@ def test_every_engine_path_runs_under_every_strategy():
     covered = set().union(*(engine_paths(case) for case in EVERY_STRATEGY))
     assert every - covered == set(), (
         f"no case of EVERY_STRATEGY takes {sorted(every - covered)}: add one that does, so that "
-        "chunked and sharded rounds run it (module docstring)"
+        "sequential, chunked and sharded rounds run it (module docstring)"
     )
     assert len(every) >= 26, sorted(every)  # what the cases took when this test was written
 
