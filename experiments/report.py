@@ -1,4 +1,4 @@
-r"""Tabulates and plots several runs: one row per algorithm and setting, seeds aggregated.
+r"""Tabulates and plots several runs: one row per algorithm and setting, random seeds aggregated.
 
     python -m experiments.report runs/fedavg_s42 runs/fedavg_s43 runs/fedpac_soap_s42 ...
     python -m experiments.report runs/ --out report.md --plot report.png
@@ -11,7 +11,7 @@ Each ``DIR`` is a run folder (``config.json`` + ``metrics.jsonl``, as written by
 ``python -m experiments.main``) or a folder searched recursively for run folders. Runs are grouped
 by algorithm and setting (dataset, model, partition and its alpha); runs whose configs differ only
 in ``seed`` are one group, and any other difference (a learning rate, K, ...) splits the group and
-is named in the row's label. For each group the table gives, over its runs (seeds):
+is named in the row's label. For each group the table gives, over its runs (random seeds):
 
 * the final test accuracy (``test_auc`` when the runs log it) and test loss as mean ± std, in the
   papers' style (accuracy in %); std is the sample standard deviation (ddof = 1), omitted for a
