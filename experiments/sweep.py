@@ -15,7 +15,10 @@ as for ``experiments.main``.
 Each replica writes an ordinary run folder ``WORKDIR/KEY=VALUE,.../`` (``config.json``,
 ``metrics.jsonl``, ``curves.png``, TensorBoard), so ``python -m experiments.report WORKDIR``
 reads the sweep like separate runs; the sweep checkpoints all replicas as one
-(``WORKDIR/checkpoints``) and the same command resumes it. ``--replica_strategy``: ``auto``
+(``WORKDIR/checkpoints``, with the grid) and the same command resumes it, each replica from its
+own state whatever the order of the ``--sweep.*`` flags (docs/SWEEPS.md: a changed grid,
+signals, deleted folders). Ctrl-C or SIGTERM stops after the round in progress, saved.
+``--replica_strategy``: ``auto``
 (sequential on CPU; on an accelerator the faster of the two, timed on the first round),
 ``sequential`` (one compiled round, run once per replica) or ``vmap``;
 ``--replica_chunk_size`` bounds the replicas vmapped at once.
@@ -23,6 +26,7 @@ reads the sweep like separate runs; the sweep checkpoints all replicas as one
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -71,8 +75,13 @@ def main(argv):
     from fedorth.sweep.grid import config_section
     from fedorth.sweep.runner import run_sweep
     from fedorth.train.checkpoint import drop_abandoned_io_reports
+    from fedorth.train.logging_utils import ClosedOutputSafe
+    from fedorth.train.loop import stop_on_sigterm
 
     drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
+    # A reader that goes away (`... | head`) must not stop the sweep: its files are its result.
+    sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
+    stop_on_sigterm()
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
@@ -98,9 +107,11 @@ def main(argv):
     except (SweepError, *train.USER_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, SweepError | train.ConfigError) else 1)
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the loop's message names the rounds
+        for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
+            signal.signal(signum, signal.SIG_IGN)
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -528,3 +528,111 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
 
     groups = report.group_runs(report.find_runs([whole]))
     assert sorted(len(g.runs) for g in groups) == [2, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume by identity: the flags' order, a changed grid, lost folders (fedorth.sweep.runner).
+
+
+def sweep_config(rounds: int):
+    config = tiny("fedavg")
+    config.fed.rounds = rounds
+    config.eval_every = 1
+    config.checkpoint_every = 2
+    return config
+
+
+def run_sweep_in(workdir: pathlib.Path, values: dict, rounds: int, **kwargs) -> str:
+    """``run_sweep`` of the tiny FedAvg config; returns what it printed."""
+    import io
+
+    from fedorth.sweep.runner import run_sweep
+
+    config = sweep_config(rounds)
+    stream = io.StringIO()
+    run_sweep(config, Grid(config, values), workdir, replica_strategy="sequential", stream=stream,
+              **kwargs)
+    return stream.getvalue()
+
+
+def replica_rows(workdir: pathlib.Path) -> dict[str, list[dict]]:
+    return {
+        p.name: _rows(p) for p in sorted(workdir.iterdir()) if (p / "metrics.jsonl").exists()
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, list[dict]]:
+    """Six replicas (seeds 42, 43, 44 x two learning rates), 4 rounds, without a stop."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    run_sweep_in(workdir, {"seed": [42, 43, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    return replica_rows(workdir)
+
+
+def test_resume_maps_replicas_by_identity_and_a_grid_may_grow_or_shrink(tmp_path, uninterrupted):
+    """Two rounds of seeds 42, 43, then the same grid with its flags in the other order and 4
+    rounds: every replica resumes from its own state (the folders keep the first order) and ends
+    with the uninterrupted sweep's rows. Adding seed 44 runs only its replicas from round 0;
+    removing seed 43 keeps its folders as they are, and says so."""
+    workdir = tmp_path / "s"
+    run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1, 0.05]}, 2)
+    out = run_sweep_in(workdir, {"optim.learning_rate": [0.05, 0.1], "seed": [43, 42]}, 4)
+    assert "Resumed the sweep from round 2" in out, out
+    assert "Finished the sweep at round 4: 4 replicas" in out, out
+    rows = replica_rows(workdir)
+    assert sorted(rows) == sorted(f"seed={s},optim.learning_rate={lr}" for s in (42, 43)
+                                  for lr in (0.1, 0.05))
+    for name, replica in rows.items():
+        assert replica == uninterrupted[name], name
+
+    out = run_sweep_in(workdir, {"seed": [42, 43, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    assert "Resumed the sweep from round 4" in out, out
+    assert ("New in the grid, run from round 0 up to round 4 first: "
+            "seed=44,optim.learning_rate=0.1, seed=44,optim.learning_rate=0.05.") in out, out
+    assert replica_rows(workdir) == uninterrupted
+
+    before = {p: p.read_bytes() for p in workdir.glob("seed=43,*/*") if p.is_file()}
+    out = run_sweep_in(workdir, {"seed": [42, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    kept = [line for line in out.splitlines() if line.startswith("Not in the grid any more")]
+    assert len(kept) == 1 and f"{workdir}/seed=43,optim.learning_rate=0.1" in kept[0], out
+    assert before == {p: p.read_bytes() for p in workdir.glob("seed=43,*/*") if p.is_file()}
+    assert replica_rows(workdir) == uninterrupted
+
+
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        ({"seed": [44, 45], "optim.learning_rate": [0.1]}, r"no replica in common"),
+        ({"seed": [42, 43]}, r"keys \['seed', 'optim.learning_rate'\] there, \['seed'\] here"),
+    ],
+)
+def test_another_grid_is_refused_without_sweep_json(tmp_path, values, reason):
+    """The checkpoint carries the grid: without ``sweep.json`` a grid of the same size still
+    cannot resume another's states (seed 44 would go on from seed 42's)."""
+    from fedorth.train import WorkdirConflictError
+
+    workdir = tmp_path / "s"
+    run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1]}, 2)
+    (workdir / "sweep.json").unlink()
+    with pytest.raises(WorkdirConflictError, match=reason) as info:
+        run_sweep_in(workdir, values, 2)
+    message = str(info.value)
+    assert "\n" not in message and "holds another sweep" in message
+    assert "pass --overwrite to discard that sweep" in message
+
+
+def test_a_deleted_replica_folder_is_computed_again_with_a_warning(tmp_path, caplog):
+    workdir = tmp_path / "s"
+    values = {"seed": [42, 43], "optim.learning_rate": [0.1]}
+    run_sweep_in(workdir, values, 3)
+    whole = replica_rows(workdir)
+    lost = workdir / "seed=43,optim.learning_rate=0.1"
+    import shutil
+
+    shutil.rmtree(lost)
+    with caplog.at_level("WARNING"):
+        run_sweep_in(workdir, values, 3)
+    warnings = [r.getMessage() for r in caplog.records if str(lost) in r.getMessage()]
+    assert len(warnings) == 1 and "its folder was deleted" in warnings[0], caplog.text
+    assert "computed again from round 0" in warnings[0]
+    assert replica_rows(workdir) == whole

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -179,6 +180,31 @@ class Grid:
     @property
     def traced_keys(self) -> list[str]:
         return [k for k, kind in self.kinds.items() if kind == "traced"]
+
+    @property
+    def count(self) -> int:
+        """The number of replicas (without making them)."""
+        return math.prod(len(v) for v in self.values.values())
+
+    def reordered(self, keys: Sequence[str]) -> Grid:
+        """The same grid with its keys in the order ``keys`` (the same set of keys): the order
+        of the replicas and of the parts of their folder names."""
+        grid = copy.copy(self)
+        grid.values = {key: self.values[key] for key in keys}
+        grid.kinds = {key: self.kinds[key] for key in keys}
+        return grid
+
+    def samples(self) -> list[dict[str, int | float]]:
+        """The first replica and, per key, the replicas with its smallest and largest value (the
+        others at their first): what checking every value against the config's ranges needs,
+        in at most ``1 + 2 * keys`` replicas rather than their product."""
+        first = {key: values[0] for key, values in self.values.items()}
+        out = [first]
+        for key, values in self.values.items():
+            for value in (min(values), max(values)):
+                if value != first[key] and {**first, key: value} not in out:
+                    out.append({**first, key: value})
+        return out
 
     def replicas(self) -> list[dict[str, int | float]]:
         """One ``{key: value}`` per replica (the product of the value lists)."""

@@ -116,6 +116,7 @@ class ReplicaRound:
       build: builds a replica's experiment from its config (``builders.build``; a benchmark
         passes one on random data).
       timer: the clock ``"auto"`` times the strategies with (tests pass a fake).
+      on_build: called with the number of replicas built so far, after each (a progress line).
 
     Attributes:
       strategy: the replica strategy that runs (never ``"auto"``).
@@ -134,6 +135,7 @@ class ReplicaRound:
         chunk_size: int = 0,
         build: Callable[[ml_collections.ConfigDict], builders.Experiment] = builders.build,
         timer: Callable[[], float] = time.perf_counter,
+        on_build: Callable[[int], None] | None = None,
     ):
         if chunk_size < 0:
             raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
@@ -142,6 +144,8 @@ class ReplicaRound:
         self.replicas: list[Replica] = []
         for name, values, config in zip(names, replicas, configs, strict=True):
             self.replicas.append(Replica(name, dict(values), config, build(config)))
+            if on_build is not None:
+                on_build(len(self.replicas))
         first = self.replicas[0].experiment
         self.config = first.config
         self.model = first.model

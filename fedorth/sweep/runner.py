@@ -5,9 +5,37 @@
 ``workdir/<key=value,...>/`` with what ``python -m experiments.main`` writes (its resolved
 ``config.json``, ``run_info.json``, ``metrics.jsonl``, TensorBoard events, ``curves.png``), so
 ``python -m experiments.report workdir`` reads a sweep like separate runs. The sweep's own
-files sit beside them: ``sweep.json`` (the base config and the grid) and ``checkpoints/``, one
-checkpoint of all replicas (their server states stacked). Running the same command again
-resumes from it, and ends with the metrics of an uninterrupted sweep.
+files sit beside them: ``checkpoints/``, one checkpoint of all replicas (their server states
+stacked), and ``sweep.json``. Running the same command again resumes from it, and ends with the
+metrics of an uninterrupted sweep.
+
+**Identity.** Each checkpoint carries the sweep's base config and its grid (its keys in order,
+and their values), as a single run's checkpoint carries its config; ``sweep.json`` holds the
+same, written atomically, and is read only while no checkpoint exists. A resume maps the saved
+replicas to the grid's by their values, never by position, so the order of the ``--sweep.*``
+flags does not matter (the saved order of the keys names the folders). A grid with other keys,
+another base config (``fed.rounds`` aside, as for a single run) or no replica in common with the
+saved one is refused; a value added to a key starts only the new replicas, which catch up from
+round 0 to the saved round (the others resume); a replica whose value was removed keeps its
+folder as it is, and the sweep says so.
+
+**Folders.** The sweep holds its workdir's lock and each replica folder's
+(:mod:`fedorth.train.workdir`) while it runs, so a single run there is refused, naming the
+sweep's process and command; a single run in a replica folder of a stopped sweep is refused too
+(:func:`fedorth.train.loop.run`): the replica's state lives in the sweep's checkpoint. A replica
+folder that holds checkpoints of its own (a single run of it) is refused by the sweep, which
+never deletes rows. A replica folder deleted, or rows of it lost, is rebuilt: that replica is
+computed again from round 0 (its rounds derive their randomness from its seed and the round), with
+a warning line naming it.
+
+**Stopping.** The single run's rules (:mod:`fedorth.train.loop`): Ctrl-C or SIGTERM stops after
+the round in progress, saved, and says where the same command resumes; a second one stops at
+once, from the newest checkpoint; a full disk ends with one line. A resumed sweep says
+"Resumed ...", a finished one "Finished ...".
+
+**Size.** Before any work the sweep says how many replicas it runs, the host memory they need
+(one replica built and measured) and how long building them takes, and refuses a grid whose
+replicas cannot fit in the available memory or open files (:func:`check_size`).
 
 A replica whose loss or parameters become NaN/Inf stops writing rows; its folder gets
 ``diverged.json`` (the round and the quantity) and the other replicas go on.
@@ -16,9 +44,12 @@ A replica whose loss or parameters become NaN/Inf stops writing rows; its folder
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pathlib
+import resource
 import shutil
+import signal
 import sys
 import time
 import types
@@ -29,40 +60,243 @@ import ml_collections
 import numpy as np
 
 from fedorth import fed
-from fedorth.sweep.grid import Grid, replica_name
-from fedorth.sweep.replicas import ReplicaRound
+from fedorth.sweep.grid import Grid, SweepError, replica_name
+from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
-from fedorth.train import loop, plots
+from fedorth.train import builders, loop, plots
+from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer
-from fedorth.train.logging_utils import MetricsWriter, Progress
+from fedorth.train.logging_utils import MetricsWriter, Progress, format_duration
 from fedorth.train.validate import validate
 
 SWEEP_FILE = "sweep.json"
 DIVERGED_FILE = "diverged.json"
+GRID_KEY = "sweep_grid"
+"""The key of the grid (``[[key, values], ...]``, in order) in a sweep's identity."""
 
 
-def _sweep_identity(config: ml_collections.ConfigDict, grid: Grid) -> str:
-    return json.dumps(
-        {"config": config.to_dict(), "grid": grid.to_dict()}, indent=2, sort_keys=True, default=str
-    )
+def _json(value: Any) -> Any:
+    """JSON types only (a checkpoint's metadata is JSON), as ``config.json`` writes them."""
+    return json.loads(json.dumps(value, default=str))
 
 
-def _prepare(workdir: pathlib.Path, config, grid: Grid, names: list[str], overwrite: bool):
-    """Writes ``sweep.json``; refuses a workdir holding another sweep unless ``overwrite``."""
-    identity = _sweep_identity(config, grid)
+def sweep_identity(config: ml_collections.ConfigDict, grid: Grid) -> dict[str, Any]:
+    """What a sweep's checkpoints and ``sweep.json`` carry: the base config and the grid."""
+    return {
+        "config": _json(config.to_dict()),
+        GRID_KEY: [[key, list(values)] for key, values in grid.values.items()],
+    }
+
+
+def _replica_key(values: dict[str, Any]) -> tuple:
+    """A replica's identity: its values, whatever the order of the keys."""
+    return tuple(sorted(values.items()))
+
+
+def _saved_identity(workdir: pathlib.Path) -> tuple[str, dict[str, Any] | None] | None:
+    """The identity of the sweep in ``workdir`` and where it is recorded, or ``None``.
+
+    The newest complete checkpoint's copy comes first (it travels with the states it describes);
+    ``sweep.json`` only while there is no checkpoint. ``None`` in place of the dict: the record is
+    not readable, or a checkpoint carries no grid (saved by an older fedorth).
+    """
+    directory = workdir / "checkpoints"
+    saved = checkpoint_lib.saved_config(directory)
+    if saved is not None:
+        step, identity = saved
+        return f"checkpoint {step}", identity if GRID_KEY in identity else None
+    if any(checkpoint_lib._is_complete(d) for d in checkpoint_lib._step_dirs(directory)):
+        return "checkpoints", None
     path = workdir / SWEEP_FILE
-    if path.exists() and path.read_text() != identity:
-        if not overwrite:
-            raise loop.WorkdirConflictError(
-                f"{workdir} holds another sweep (its {SWEEP_FILE} differs: another config or "
-                "grid). Use another --workdir, or pass --overwrite to discard that sweep."
+    if not path.exists():
+        return None
+    try:
+        identity = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return SWEEP_FILE, None
+    return SWEEP_FILE, identity if isinstance(identity, dict) and GRID_KEY in identity else None
+
+
+def _without_rounds(config: dict) -> dict:
+    return {**config, "fed": {k: v for k, v in config.get("fed", {}).items() if k != "rounds"}}
+
+
+class _Plan:
+    """How the grid meets the sweep saved in the workdir: the grid in the saved key order, the
+    saved replicas (by identity, at their position in the checkpoint) and those removed."""
+
+    def __init__(self, grid: Grid, saved: dict[str, Any] | None):
+        self.grid = grid
+        self.saved: dict[tuple, int] = {}
+        self.removed: list[str] = []
+        if saved is None:
+            return
+        keys = [key for key, _ in saved[GRID_KEY]]
+        self.grid = grid.reordered(keys)
+        old = Grid.__new__(Grid)
+        old.values = {key: list(values) for key, values in saved[GRID_KEY]}
+        now = {_replica_key(v) for v in self.grid.replicas()}
+        for index, values in enumerate(old.replicas()):
+            self.saved[_replica_key(values)] = index
+            if _replica_key(values) not in now:
+                self.removed.append(replica_name(values))
+        self.old_count = len(self.saved)
+
+
+def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
+    """Compares ``grid`` with the sweep saved in ``workdir``; refuses another sweep in one line
+    (or discards it with ``overwrite``)."""
+    recorded = _saved_identity(workdir)
+    if recorded is None:
+        return _Plan(grid, None)
+    where, saved = recorded
+    reason = None
+    if saved is None:
+        reason = (
+            f"its {where} carry no grid (written by an older fedorth): resume it with the "
+            "version that wrote it (run_info.json names its git commit)"
+        )
+    else:
+        old_keys = [key for key, _ in saved[GRID_KEY]]
+        diff = loop._config_differences(
+            _without_rounds(saved["config"]), _without_rounds(_json(config.to_dict()))
+        )
+        if diff:
+            shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+            reason = f"another base config, recorded in {where}: {shown}"
+        elif set(old_keys) != set(grid.values):
+            reason = (
+                f"another grid, recorded in {where}: keys {old_keys} there, {list(grid.values)} "
+                "here"
             )
-    if overwrite and path.exists() and path.read_text() != identity:
-        for child in workdir.iterdir():
-            if child.is_dir() and (child.name == "checkpoints" or (child / "config.json").exists()):
-                shutil.rmtree(child)
-    path.write_text(identity)
+        else:
+            plan = _Plan(grid, saved)
+            if len(plan.removed) == plan.old_count:
+                reason = (
+                    f"another grid, recorded in {where}: no replica in common "
+                    f"({dict(saved[GRID_KEY])} there, {grid.to_dict()} here)"
+                )
+            else:
+                return plan
+    if not overwrite:
+        raise loop.WorkdirConflictError(
+            f"{workdir} holds another sweep ({reason}). Use another --workdir, or pass "
+            "--overwrite to discard that sweep."
+        )
+    for child in workdir.iterdir():
+        if child.is_dir() and (child.name == "checkpoints" or (child / "config.json").exists()):
+            shutil.rmtree(child)
+    (workdir / SWEEP_FILE).unlink(missing_ok=True)
+    return _Plan(grid, None)
+
+
+# -- the size of a grid -----------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available to new allocations (Linux's ``MemAvailable``, bounded by a
+    cgroup's limit), or None where unknown."""
+    available = None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            used = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            free = int(limit) - used
+            available = free if available is None else min(available, free)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _tree_bytes(tree) -> int:
+    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(tree))
+
+
+def check_size(config: ml_collections.ConfigDict, grid: Grid, stream) -> None:
+    """Says how many replicas ``grid`` makes, the host memory they need and how long building
+    them takes, before any folder is made or any replica built; refuses a grid that cannot fit.
+
+    One replica is built and measured (a second is timed): each replica holds its data (built from its seed and
+    ``data.alpha``) and its server state, which a round and a checkpoint copy twice more.
+
+    Raises:
+      SweepError: the replicas need more memory than is available, or more open files (one
+        lock per replica folder) than the process may open.
+    """
+    count = grid.count
+    samples = grid.samples()
+    start = time.perf_counter()
+    experiment = builders.build(grid.replica_config(samples[0]))
+    server = builders.init_server(experiment)
+    build_s = time.perf_counter() - start
+    if len(samples) > 1:  # the first build also starts JAX and reads the data: time another
+        start = time.perf_counter()
+        builders.init_server(builders.build(grid.replica_config(samples[1])))
+        build_s = time.perf_counter() - start
+    data_bytes = _tree_bytes(experiment.data)
+    state_bytes = _tree_bytes(server.replace(key=jax.random.key_data(server.key)))
+    per_replica = data_bytes + 3 * state_bytes
+    needed = count * per_replica
+    available = _available_memory()
+    print(
+        f"Grid of {count} replicas ({' x '.join(str(len(v)) for v in grid.values.values())} "
+        f"values of {', '.join(grid.values)}): about {_size(needed)} of host memory "
+        f"({_size(per_replica)} per replica: data {_size(data_bytes)}, server state "
+        f"{_size(state_bytes)} x 3), "
+        + (f"{_size(available)} available; " if available is not None else "")
+        + f"building them takes about {format_duration(count * build_s)}; the rounds' time "
+        "follows from the first round (the progress line's ETA).",
+        file=stream,
+        flush=True,
+    )
+    if available is not None and needed > available:
+        fits = max(available // max(per_replica, 1), 1)
+        raise SweepError(
+            f"the grid of {count} replicas needs about {_size(needed)} of host memory "
+            f"({_size(per_replica)} per replica), more than the {_size(available)} available: "
+            f"split it into sweeps of at most {fits} replicas (fewer --sweep.* values each, one "
+            "--workdir per sweep)."
+        )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count + 256  # one lock per replica folder, and the files a run opens
+    if wanted > soft:
+        if hard != resource.RLIM_INFINITY and wanted > hard:
+            raise SweepError(
+                f"the grid of {count} replicas needs {count} open lock files (one per replica "
+                f"folder), more than this process may open ({hard}, ulimit -Hn): split it into "
+                f"sweeps of at most {max(hard - 256, 1)} replicas (one --workdir per sweep)."
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+class _Counter:
+    """``Preparing N replica folders: i/N`` about every 10% of a large grid (every replica for a
+    small one would say nothing the line after it does not)."""
+
+    def __init__(self, what: str, total: int, stream):
+        self.what, self.total, self.stream = what, total, stream
+        self.step = max(total // 10, 1) if total >= 100 else 0
+
+    def __call__(self, done: int) -> None:
+        if self.step and (done % self.step == 0 or done == self.total):
+            print(f"{self.what}: {done}/{self.total}", file=self.stream, flush=True)
+
+
+# -- the sweep ----------------------------------------------------------------------------------
 
 
 def _finite(row: dict[str, Any]) -> str | None:
@@ -85,6 +319,19 @@ def _add_replica_strategy(path: pathlib.Path, replica_round: ReplicaRound) -> No
     loop._write_atomic(path, json.dumps(info, indent=2))
 
 
+def _own_checkpoints(folder: pathlib.Path) -> None:
+    """Refuses a replica folder that holds checkpoints of its own: a single run extended it, and
+    the sweep would drop that run's rows past the sweep's round."""
+    steps = [p for p in checkpoint_lib._step_dirs(folder / "checkpoints")]
+    if steps:
+        raise loop.WorkdirConflictError(
+            f"{folder} holds checkpoints of a single run (round {steps[0].name}), which the "
+            "sweep cannot resume and would cut back to its own round: move that folder out of "
+            f"{folder.parent} to keep it as a run of its own (the sweep then computes the replica "
+            "again), or use another --workdir."
+        )
+
+
 def run_sweep(
     config: ml_collections.ConfigDict,
     grid: Grid,
@@ -98,178 +345,390 @@ def run_sweep(
     """Runs (or resumes) the sweep of ``grid`` over ``config`` in ``workdir``.
 
     Returns:
-      Each replica's last ``metrics.jsonl`` row, in the order of ``grid.replicas()``.
+      Each replica's last ``metrics.jsonl`` row, in the order of ``grid.replicas()`` (the saved
+      sweep's key order on a resume).
+
+    Raises:
+      SweepError: the grid is invalid or cannot fit.
+      RunInterrupted: a signal stopped the sweep (a ``KeyboardInterrupt``).
+      One of :data:`fedorth.train.loop.USER_ERRORS`, when the input or the disk is at fault.
     """
     stream = stream or sys.stderr
     workdir = workdir_lib.resolve(workdir)
-    replicas = grid.replicas()
-    names = [replica_name(values) for values in replicas]
-    configs = [grid.replica_config(values) for values in replicas]
-    for replica_config in configs:
-        validate(replica_config)  # before anything is loaded or compiled
+    for values in grid.samples():  # each key's extremes, before anything is loaded or compiled
+        validate(grid.replica_config(values))
+    check_size(config, grid, stream)
     lock = workdir_lib.WorkdirLock(workdir)
+    locks: list[workdir_lib.WorkdirLock] = []
     try:
-        _prepare(workdir, config, grid, names, overwrite)
-        folders = [workdir / name for name in names]
-        for replica_config, folder in zip(configs, folders, strict=True):
-            loop._prepare_workdir(replica_config, folder, overwrite)
-        replica_round = ReplicaRound.from_grid(
-            grid, strategy=replica_strategy, chunk_size=replica_chunk_size
+        plan = _plan(workdir, config, grid, overwrite)
+        grid = plan.grid
+        with loop._disk_space(workdir / SWEEP_FILE, None, None):
+            loop._write_atomic(
+                workdir / SWEEP_FILE, json.dumps(sweep_identity(config, grid), indent=2)
+            )
+        replicas = grid.replicas()
+        folders = [workdir / replica_name(values) for values in replicas]
+        had_rows = [(f / "metrics.jsonl").exists() for f in folders]
+        counter = _Counter(f"Preparing {len(folders)} replica folders", len(folders), stream)
+        for index, folder in enumerate(folders):
+            locks.append(workdir_lib.WorkdirLock(folder))  # a single run there is refused
+            _own_checkpoints(folder)
+            with loop._disk_space(folder / "config.json", None, None):
+                loop._prepare_workdir(grid.replica_config(replicas[index]), folder, overwrite)
+            counter(index + 1)
+        if plan.removed:
+            print(
+                f"Not in the grid any more, kept as they are (the sweep's next checkpoints do not "
+                f"hold their states): {', '.join(str(workdir / n) for n in plan.removed)}.",
+                file=stream,
+            )
+        return _run_locked(
+            config,
+            grid,
+            plan,
+            workdir,
+            folders,
+            had_rows,
+            replica_strategy,
+            replica_chunk_size,
+            stream,
         )
-        described = types.SimpleNamespace(
-            strategy=replica_round.client_strategy,
-            selection=replica_round.selection,
-            devices=replica_round.replicas[0].experiment.round_fn.devices,
-        )
-        for folder in folders:
-            loop._write_run_info(folder, described)
-            _add_replica_strategy(folder / "run_info.json", replica_round)
-        checkpointer = Checkpointer(workdir, every=int(config.get("checkpoint_every", 0)))
-        writers = [MetricsWriter(folder) for folder in folders]
-        try:
-            return _run(config, replica_round, folders, writers, checkpointer, stream)
-        finally:
-            for writer in writers:
-                writer.close()
-            checkpointer.close()
     finally:
+        for replica_lock in locks:
+            replica_lock.release()
         lock.release()
 
 
-def _run(config, replica_round: ReplicaRound, folders, writers, checkpointer, stream):
-    rounds = int(config.fed.rounds)
-    eval_every = int(config.get("eval_every", 1))
-    count = len(folders)
-    states = replica_round.initial_states()
-    restored = checkpointer.restore_latest(replica_round.stack(states))
-    done = 0
-    wall_offset = 0.0
-    if restored is not None:
-        states = replica_round.unstack(restored)
-        done = int(restored.round)
-        print(f"Resumed the sweep from round {done} in {checkpointer.workdir}.", file=stream)
-    first = replica_round.replicas[0]
-    comm = fed.communication_bytes(
-        first.experiment.algorithm, replica_round.replica_state(states, 0)
+def _run_locked(
+    config, grid, plan, workdir, folders, had_rows, replica_strategy, chunk_size, stream
+):
+    replicas = grid.replicas()
+    building = _Counter(f"Building {len(replicas)} replicas", len(replicas), stream)
+    replica_round = ReplicaRound.from_grid(
+        grid, strategy=replica_strategy, chunk_size=chunk_size, on_build=building
     )
-    clients = replica_round.round_config.clients_per_round
-    comm_row = {
-        "comm_mb_up": comm["bytes_up"] / 1e6,
-        "comm_mb_down": comm["bytes_down"] / 1e6,
-        "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients / 1e6,
-    }
-    diverged: dict[int, int] = {}
-    for index, (folder, writer) in enumerate(zip(folders, writers, strict=True)):
-        kept = writer.resume(done if restored is not None else -1, exact=comm_row)
-        if kept:
-            wall_offset = max(wall_offset, kept[-1]["wall_s"])
-        marker = folder / DIVERGED_FILE
-        if marker.exists():
-            at = json.loads(marker.read_text())["round"]
-            if at <= done:
-                diverged[index] = at
-            else:
-                marker.unlink()  # diverged after the checkpoint: the resumed rounds redo it
-    evaluators = replica_round.evaluators()
-    print(
-        f"Sweep of {count} replicas x {rounds} rounds: replicas {replica_round.strategy}"
-        + (
-            f" (chunks of {replica_round.chunk_size})"
-            if replica_round.strategy == "vmap" and replica_round.chunk_size < count
-            else ""
+    described = types.SimpleNamespace(
+        strategy=replica_round.client_strategy,
+        selection=replica_round.selection,
+        devices=replica_round.replicas[0].experiment.round_fn.devices,
+    )
+    for folder in folders:
+        with loop._disk_space(folder / "run_info.json", None, None):
+            loop._write_run_info(folder, described)
+            _add_replica_strategy(folder / "run_info.json", replica_round)
+    checkpointer = Checkpointer(
+        workdir, every=int(config.get("checkpoint_every", 0)), config=sweep_identity(config, grid)
+    )
+    writers = [MetricsWriter(folder) for folder in folders]
+    sweep = _Sweep(config, replica_round, folders, writers, checkpointer, stream)
+    signals = loop._Signals()
+    try:
+        with signals:
+            rows = sweep.run(plan, had_rows, signals)
+    finally:
+        for writer in writers:
+            writer.close()
+        checkpointer.close()
+    sweep.summary(rows)
+    return rows
+
+
+class _Sweep:
+    """The rounds of a sweep's replicas, written to their folders; saved in one checkpoint."""
+
+    def __init__(self, config, replica_round: ReplicaRound, folders, writers, checkpointer, stream):
+        self.config, self.replica_round = config, replica_round
+        self.folders, self.writers = folders, writers
+        self.checkpointer, self.stream = checkpointer, stream
+        self.rounds = int(config.fed.rounds)
+        self.eval_every = int(config.get("eval_every", 1))
+        self.workdir = checkpointer.workdir
+        self.diverged: dict[int, int] = {}
+        self.wall_offset = 0.0
+        first = replica_round.replicas[0]
+        states = replica_round.initial_states()
+        comm = fed.communication_bytes(
+            first.experiment.algorithm, replica_round.replica_state(states, 0)
         )
-        + f", clients {replica_round.client_strategy}.",
-        file=stream,
-    )
-    if replica_round.replica_selection is not None:
-        print(describe_selection(replica_round.replica_selection), file=stream)
-    progress = Progress(rounds, start=done, stream=stream)
-    start = time.perf_counter()
+        clients = replica_round.round_config.clients_per_round
+        self.comm_row = {
+            "comm_mb_up": comm["bytes_up"] / 1e6,
+            "comm_mb_down": comm["bytes_down"] / 1e6,
+            "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients / 1e6,
+        }
+        self.initial = states
+        self.done = 0
 
-    def evaluate(index: int, state) -> dict[str, float]:
-        out = jax.device_get(evaluators[index](state.params, state.model_state))
-        return {k: float(v) for k, v in out.items()}
+    # -- resuming ----------------------------------------------------------------------------
 
-    def mark_diverged(index: int, round_index: int, quantity: str) -> None:
-        diverged[index] = round_index
-        (folders[index] / DIVERGED_FILE).write_text(
+    def _restore(self, plan):
+        """The saved replicas' states ``{index in the grid: state}`` and their round."""
+        if not plan.saved:
+            return {}, 0
+        rr = self.replica_round
+        stacked = rr.stack(self.initial)
+        positions = np.zeros(plan.old_count, dtype=int)
+        like = jax.tree.map(lambda x: x[positions], stacked.replace(round=None))
+        restored = self.checkpointer.restore_latest(like.replace(round=stacked.round))
+        if restored is None:
+            return {}, 0
+        found = {}
+        for index, values in enumerate(rr.replicas):
+            old = plan.saved.get(_replica_key(values.values))
+            if old is not None:
+                state = jax.tree.map(lambda x, o=old: x[o], restored.replace(round=None))
+                found[index] = state.replace(round=restored.round)
+        return found, int(restored.round)
+
+    def _expected_rounds(self, done: int) -> set[int]:
+        if self.eval_every <= 0:
+            return {done} if done >= self.rounds else set()
+        rounds = set(range(0, done + 1, self.eval_every))
+        return rounds | ({done} if done >= self.rounds else set())
+
+    def run(self, plan, had_rows, signals) -> list[dict[str, Any]]:
+        rr, count = self.replica_round, len(self.folders)
+        restored, done = self._restore(plan)
+        again: list[int] = [i for i in range(count) if i not in restored]
+        for index in sorted(restored):
+            path = self.writers[index].path
+            with loop._disk_space(path, None, self.checkpointer):
+                kept = self.writers[index].resume(done, exact=self.comm_row)
+            if kept:
+                self.wall_offset = max(self.wall_offset, kept[-1].get("wall_s", 0.0))
+            marker = self.folders[index] / DIVERGED_FILE
+            at = json.loads(marker.read_text())["round"] if marker.exists() else None
+            if at is not None and at <= done:
+                self.diverged[index] = at
+                continue
+            if at is not None:
+                marker.unlink()  # diverged after the checkpoint: the resumed rounds redo it
+            lost = sorted(self._expected_rounds(done) - {row["round"] for row in kept})
+            if lost:
+                again.append(index)
+                what = "its folder was deleted" if not had_rows[index] else "its rows were lost"
+                logging.warning(
+                    "%s: %s (rounds %s of %d are missing); the sweep's checkpoint holds its state "
+                    "at round %d, not its rows, so the replica is computed again from round 0.",
+                    self.folders[index],
+                    what,
+                    ", ".join(map(str, lost[:5])) + (" ..." if len(lost) > 5 else ""),
+                    done,
+                    done,
+                )
+        again.sort()
+        if done:
+            print(f"Resumed the sweep from round {done} in {self.workdir}.", file=self.stream)
+            new = [
+                rr.replicas[i].name
+                for i in again
+                if _replica_key(rr.replicas[i].values) not in plan.saved
+            ]
+            if new:
+                print(
+                    f"New in the grid, run from round 0 up to round {done} first: "
+                    f"{', '.join(new)}.",
+                    file=self.stream,
+                )
+        for index in again:
+            (self.folders[index] / DIVERGED_FILE).unlink(missing_ok=True)
+            self.diverged.pop(index, None)
+        states = self.initial
+        if done and again:
+            states = self._catch_up(states, restored, again, done, signals)
+        elif done:
+            states = rr.unstack(_stack_states([restored[i] for i in range(count)]))
+        else:
+            for writer in self.writers:
+                with loop._disk_space(writer.path, None, self.checkpointer):
+                    writer.resume(-1)
+        print(
+            f"Sweep of {count} replicas x {self.rounds} rounds: replicas {rr.strategy}"
+            + (
+                f" (chunks of {rr.chunk_size})"
+                if rr.strategy == "vmap" and rr.chunk_size < count
+                else ""
+            )
+            + f", clients {rr.client_strategy}.",
+            file=self.stream,
+        )
+        if rr.replica_selection is not None:
+            print(describe_selection(rr.replica_selection), file=self.stream)
+        ran = done < self.rounds
+        states, done, last = self._train(rr, states, done, list(range(count)), signals, save=True)
+        self.done = done
+        with loop._disk_space(self.checkpointer.directory / str(done), None, self.checkpointer):
+            self.checkpointer.save(rr.stack(states), force=True)
+        if not ran:  # a finished sweep started again (the loop draws its last round's curves)
+            self._save_curves(range(count))
+        return [last[i] if last[i] else (self.writers[i].rows() or [{}])[-1] for i in range(count)]
+
+    def _catch_up(self, states, restored, again, done, signals):
+        """Runs the replicas in ``again`` (new in the grid, or whose rows were lost) from round 0
+        to round ``done``, then joins them to the restored ones."""
+        rr = self.replica_round
+        sub = ReplicaRound(
+            [rr.replicas[i].config for i in again],
+            [rr.replicas[i].values for i in again],
+            rr.traced_keys,
+            [rr.replicas[i].name for i in again],
+            strategy=rr.strategy,
+            chunk_size=rr.chunk_size if rr.strategy == "vmap" else 0,
+        )
+        for index in again:
+            with loop._disk_space(self.writers[index].path, None, self.checkpointer):
+                self.writers[index].resume(-1)
+        sub_states, _, _ = self._train(
+            sub, sub.initial_states(), 0, again, signals, save=False, stop=done
+        )
+        per_replica = dict(restored)
+        for position, index in enumerate(again):
+            per_replica[index] = sub.replica_state(sub_states, position)
+        return rr.unstack(_stack_states([per_replica[i] for i in range(len(self.folders))]))
+
+    # -- the rounds --------------------------------------------------------------------------
+
+    def _train(self, rr, states, done, indices, signals, *, save: bool, stop: int | None = None):
+        """Rounds ``done + 1 .. stop`` (default ``fed.rounds``) of ``rr``, whose replica ``k`` is
+        the sweep's replica ``indices[k]``; with ``save``, checkpoints of the whole sweep."""
+        stop = self.rounds if stop is None else stop
+        evaluators = rr.evaluators()
+        progress = Progress(self.rounds, start=done, stream=self.stream)
+        start = time.perf_counter()
+        last: dict[int, dict[str, Any]] = {}
+
+        def write(index: int, row: dict[str, Any]) -> None:
+            writer = self.writers[index]
+            with loop._disk_space(writer.path, len(json.dumps(row)) + 1, self.checkpointer):
+                writer.write(row)
+            last[index] = row
+
+        def evaluate(k: int, state) -> dict[str, float]:
+            out = jax.device_get(evaluators[k](state.params, state.model_state))
+            return {key: float(v) for key, v in out.items()}
+
+        if done == 0 and self.eval_every > 0:
+            rows = []
+            for k, index in enumerate(indices):
+                row = {"round": 0, **evaluate(k, rr.replica_state(states, k)), **self.comm_row}
+                row["wall_s"] = time.perf_counter() - start
+                write(index, row)
+                rows.append(row)
+            progress.update(0, _mean(rows))
+        try:
+            while done < stop:
+                states, metrics = rr(states)
+                done += 1
+                is_last = done == self.rounds
+                is_eval = is_last or (self.eval_every > 0 and done % self.eval_every == 0)
+                rows = []
+                for k, index in enumerate(indices):
+                    if index in self.diverged:
+                        continue
+                    loss = float(metrics[k]["train_loss"])
+                    if not math.isfinite(loss):
+                        self._mark_diverged(index, done, f"train_loss is {loss}")
+                        continue
+                    if not is_eval:
+                        continue
+                    state = rr.replica_state(states, k)
+                    if not _params_finite(state.params):
+                        self._mark_diverged(index, done, "the parameters contain NaN/Inf")
+                        continue
+                    row = {"round": done}
+                    row.update({key: float(v) for key, v in jax.device_get(metrics[k]).items()})
+                    row.update(evaluate(k, state))
+                    row.update(self.comm_row)
+                    row["wall_s"] = self.wall_offset + time.perf_counter() - start
+                    bad = _finite(row)
+                    if bad is not None:
+                        self._mark_diverged(index, done, f"{bad} is {row[bad]}")
+                        continue
+                    write(index, row)
+                    rows.append(row)
+                progress.update(done, _mean(rows) if is_eval else None)
+                stopping = signals.received is not None
+                every = self.checkpointer.every
+                if save and (is_last or stopping or (every and done % every == 0)):
+                    step_path = self.checkpointer.directory / str(done)
+                    with loop._disk_space(step_path, None, self.checkpointer):
+                        self.checkpointer.save(rr.stack(states), force=True)
+                    self._save_curves(indices)
+                if stopping and not is_last:
+                    name = signal.Signals(signals.received).name
+                    if save:
+                        message = (
+                            f"interrupted ({name}) at round {done}; the same command resumes "
+                            f"the sweep from round {done} ({self.workdir})."
+                        )
+                    else:
+                        message = (
+                            f"interrupted ({name}) at round {done} of the replicas computed from "
+                            f"round 0; the same command resumes the sweep from round {stop} and "
+                            f"computes them again ({self.workdir})."
+                        )
+                    raise loop.RunInterrupted(message, signals.received)
+        except loop.RunInterrupted:
+            raise
+        except KeyboardInterrupt as e:  # a second signal: at once, from the newest checkpoint
+            self.checkpointer.manager.wait_until_finished()
+            saved = self.checkpointer.manager.latest_step()
+            raise loop.RunInterrupted(
+                f"interrupted at round {done}; the same command resumes the sweep from round "
+                f"{saved if saved is not None else 0}"
+                + ("" if saved is not None else " (no checkpoint was saved yet)")
+                + f" ({self.workdir}).",
+                signals.received,
+            ) from e
+        return states, done, [last.get(i) for i in range(len(self.folders))]
+
+    def _mark_diverged(self, index: int, round_index: int, quantity: str) -> None:
+        self.diverged[index] = round_index
+        (self.folders[index] / DIVERGED_FILE).write_text(
             json.dumps({"round": round_index, "quantity": quantity}) + "\n"
         )
         print(
-            f"Replica {folders[index].name} diverged at round {round_index} ({quantity}); the "
-            "other replicas go on.",
-            file=stream,
+            f"Replica {self.folders[index].name} diverged at round {round_index} ({quantity}); "
+            "the other replicas go on.",
+            file=self.stream,
         )
 
-    def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-        keys = ("train_loss", "test_loss", "test_accuracy", "test_auc")
-        return {
-            k: float(np.mean([row[k] for row in rows]))
-            for k in keys
-            if rows and all(k in row for row in rows)
-        }
+    def _save_curves(self, indices) -> None:
+        for index in indices:
+            folder = self.folders[index]
+            with loop._disk_space(folder / "curves.png", None, self.checkpointer):
+                plots.save_curves(self.writers[index].rows(), folder / "curves.png")
 
-    if done == 0 and eval_every > 0:
-        rows = []
-        for index in range(count):
-            row = {"round": 0, **evaluate(index, replica_round.replica_state(states, index))}
-            row.update(comm_row)
-            row["wall_s"] = time.perf_counter() - start
-            writers[index].write(row)
-            rows.append(row)
-        progress.update(0, summary(rows))
-    last_rows = [w.rows()[-1] if w.rows() else {} for w in writers]
+    def summary(self, rows: list[dict[str, Any]]) -> None:
+        """One line at the end of a finished sweep: the best replica and where the files are."""
+        score = "test_auc" if any("test_auc" in row for row in rows) else "test_accuracy"
+        scored = [(row[score], i) for i, row in enumerate(rows) if score in row]
+        best = ""
+        if scored:
+            value, index = max(scored)
+            best = f"; best {score} {value:.4f} ({self.folders[index].name})"
+        diverged = f", {len(self.diverged)} diverged" if self.diverged else ""
+        step = self.checkpointer.manager.latest_step()
+        workdir = self.folders[0].parent
+        print(
+            f"Finished the sweep at round {self.done}: {len(rows)} replicas{diverged}{best}. "
+            f"Metrics in {workdir}/<replica>/metrics.jsonl, checkpoint "
+            f"{workdir / 'checkpoints' / str(step)}.",
+            file=self.stream,
+        )
 
-    def save_curves() -> None:
-        for writer, folder in zip(writers, folders, strict=True):
-            plots.save_curves(writer.rows(), folder / "curves.png")
 
-    ran = done < rounds
-    try:
-        while done < rounds:
-            states, metrics = replica_round(states)
-            done += 1
-            is_last = done == rounds
-            is_eval = is_last or (eval_every > 0 and done % eval_every == 0)
-            rows = []
-            for index in range(count):
-                if index in diverged:
-                    continue
-                loss = float(metrics[index]["train_loss"])
-                if not math.isfinite(loss):
-                    mark_diverged(index, done, f"train_loss is {loss}")
-                    continue
-                if not is_eval:
-                    continue
-                state = replica_round.replica_state(states, index)
-                if not _params_finite(state.params):
-                    mark_diverged(index, done, "the parameters contain NaN/Inf")
-                    continue
-                row = {"round": done}
-                row.update({k: float(v) for k, v in jax.device_get(metrics[index]).items()})
-                row.update(evaluate(index, state))
-                row.update(comm_row)
-                row["wall_s"] = wall_offset + time.perf_counter() - start
-                bad = _finite(row)
-                if bad is not None:
-                    mark_diverged(index, done, f"{bad} is {row[bad]}")
-                    continue
-                writers[index].write(row)
-                last_rows[index] = row
-                rows.append(row)
-            progress.update(done, summary(rows) if is_eval else None)
-            every = checkpointer.every
-            if is_last or (every and done % every == 0):
-                checkpointer.save(replica_round.stack(states), force=is_last)
-                save_curves()
-    except KeyboardInterrupt as e:
-        checkpointer.manager.wait_until_finished()
-        last = checkpointer.manager.latest_step()
-        raise loop.RunInterrupted(
-            f"interrupted at round {done}; the same command resumes the sweep from round "
-            f"{last if last is not None else 0} ({checkpointer.workdir})."
-        ) from e
-    checkpointer.save(replica_round.stack(states), force=True)
-    if not ran:  # a finished sweep started again (the loop draws its last round's curves)
-        save_curves()
-    return last_rows
+def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+    keys = ("train_loss", "test_loss", "test_accuracy", "test_auc")
+    return {
+        k: float(np.mean([row[k] for row in rows]))
+        for k in keys
+        if rows and all(k in row for row in rows)
+    }
+
+
+def _stack_states(per_replica: list[Any]):
+    """One ``[R, ...]`` state (round a scalar) of per-replica states, as ``ReplicaRound.stack``."""
+    rounds = per_replica[0].round
+    return _stack([s.replace(round=rounds) for s in per_replica]).replace(round=rounds)

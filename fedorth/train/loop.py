@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import math
@@ -392,7 +393,56 @@ def run(
             lock.release()
 
 
+def _refuse_replica_folder(workdir: pathlib.Path) -> None:
+    """Refuses a replica folder of a sweep (``fedorth.sweep.runner``): the replica's state is in
+    the sweep's checkpoint, which a single run cannot resume, so a single run would start it over
+    and cut the sweep's rows."""
+    parent = workdir.absolute().parent
+    saved = checkpoint_lib.saved_config(parent / "checkpoints")
+    identity = saved[1] if saved is not None else None
+    if identity is None or "sweep_grid" not in identity:
+        try:
+            identity = json.loads((parent / "sweep.json").read_text())
+        except (OSError, ValueError):
+            return
+    grid = identity.get("sweep_grid") if isinstance(identity, dict) else None
+    if not isinstance(grid, list):
+        return
+    from fedorth.sweep.grid import replica_name  # the sweep's package imports this module
+
+    keys = [key for key, _ in grid]
+    names = (
+        replica_name(dict(zip(keys, combo, strict=True)))
+        for combo in itertools.product(*(values for _, values in grid))
+    )
+    if workdir.name in names:
+        raise WorkdirConflictError(
+            f"{workdir} is a replica folder of the sweep in {parent}, whose checkpoint holds "
+            "the replica's state: extend the sweep by rerunning its command with a larger "
+            "--config.fed.rounds, or give the single run another --workdir."
+        )
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers send before killing a job) outside the rounds: handled as
+    Ctrl-C; during the rounds the loop saves the round in progress first (:class:`_Signals`)."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+def stop_on_sigterm() -> None:
+    """Makes SIGTERM stop the process as Ctrl-C does (``Terminated``), for a command's whole
+    life; the rounds replace it with their own handler while they run."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
 def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any]:
+    if jax.process_index() == 0:
+        _refuse_replica_folder(workdir)
     # Several processes (jax.distributed) share the checkpoints; process 0 writes the run's files
     # in workdir and process i > 0 its own copy in workdir/process_i (writers of one file race).
     files = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
