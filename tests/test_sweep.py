@@ -538,7 +538,7 @@ def sweep_config(rounds: int):
     config = tiny("fedavg")
     config.fed.rounds = rounds
     config.eval_every = 1
-    config.checkpoint_every = 2
+    config.checkpoint_every = 0  # at the end (and on a stop): the curves are drawn at each save
     return config
 
 
@@ -550,52 +550,55 @@ def run_sweep_in(workdir: pathlib.Path, values: dict, rounds: int, **kwargs) -> 
 
     config = sweep_config(rounds)
     stream = io.StringIO()
-    run_sweep(config, Grid(config, values), workdir, replica_strategy="sequential", stream=stream,
-              **kwargs)
+    run_sweep(
+        config,
+        Grid(config, values),
+        workdir,
+        replica_strategy="sequential",
+        stream=stream,
+        **kwargs,
+    )
     return stream.getvalue()
 
 
 def replica_rows(workdir: pathlib.Path) -> dict[str, list[dict]]:
-    return {
-        p.name: _rows(p) for p in sorted(workdir.iterdir()) if (p / "metrics.jsonl").exists()
-    }
+    return {p.name: _rows(p) for p in sorted(workdir.iterdir()) if (p / "metrics.jsonl").exists()}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, list[dict]]:
-    """Six replicas (seeds 42, 43, 44 x two learning rates), 4 rounds, without a stop."""
+    """Four replicas (seeds 42, 43 x two learning rates), 4 rounds, without a stop."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    run_sweep_in(workdir, {"seed": [42, 43, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1, 0.05]}, 4)
     return replica_rows(workdir)
 
 
 def test_resume_maps_replicas_by_identity_and_a_grid_may_grow_or_shrink(tmp_path, uninterrupted):
-    """Two rounds of seeds 42, 43, then the same grid with its flags in the other order and 4
-    rounds: every replica resumes from its own state (the folders keep the first order) and ends
-    with the uninterrupted sweep's rows. Adding seed 44 runs only its replicas from round 0;
-    removing seed 43 keeps its folders as they are, and says so."""
+    """Two rounds of seed 42 at two learning rates, then the same grid with its flags in the
+    other order and 4 rounds: each replica resumes from its own state (the folders keep the first
+    order) and ends with the uninterrupted sweep's rows. Adding seed 43 runs only its replicas,
+    from round 0; removing the learning rate 0.05 keeps its folders as they are, and says so."""
     workdir = tmp_path / "s"
-    run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1, 0.05]}, 2)
-    out = run_sweep_in(workdir, {"optim.learning_rate": [0.05, 0.1], "seed": [43, 42]}, 4)
+    run_sweep_in(workdir, {"seed": [42], "optim.learning_rate": [0.1, 0.05]}, 2)
+    out = run_sweep_in(workdir, {"optim.learning_rate": [0.05, 0.1], "seed": [42]}, 4)
     assert "Resumed the sweep from round 2" in out, out
-    assert "Finished the sweep at round 4: 4 replicas" in out, out
+    assert "Finished the sweep at round 4: 2 replicas" in out, out
     rows = replica_rows(workdir)
-    assert sorted(rows) == sorted(f"seed={s},optim.learning_rate={lr}" for s in (42, 43)
-                                  for lr in (0.1, 0.05))
+    assert sorted(rows) == [f"seed=42,optim.learning_rate={lr}" for lr in (0.05, 0.1)]
     for name, replica in rows.items():
         assert replica == uninterrupted[name], name
 
-    out = run_sweep_in(workdir, {"seed": [42, 43, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    out = run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1, 0.05]}, 4)
     assert "Resumed the sweep from round 4" in out, out
-    assert ("New in the grid, run from round 0 up to round 4 first: "
-            "seed=44,optim.learning_rate=0.1, seed=44,optim.learning_rate=0.05.") in out, out
+    new = "seed=43,optim.learning_rate=0.1, seed=43,optim.learning_rate=0.05"
+    assert f"New in the grid, run from round 0 up to round 4 first: {new}." in out, out
     assert replica_rows(workdir) == uninterrupted
 
-    before = {p: p.read_bytes() for p in workdir.glob("seed=43,*/*") if p.is_file()}
-    out = run_sweep_in(workdir, {"seed": [42, 44], "optim.learning_rate": [0.1, 0.05]}, 4)
+    before = {p: p.read_bytes() for p in workdir.glob("*=0.05/*") if p.is_file()}
+    out = run_sweep_in(workdir, {"seed": [42, 43], "optim.learning_rate": [0.1]}, 4)
     kept = [line for line in out.splitlines() if line.startswith("Not in the grid any more")]
-    assert len(kept) == 1 and f"{workdir}/seed=43,optim.learning_rate=0.1" in kept[0], out
-    assert before == {p: p.read_bytes() for p in workdir.glob("seed=43,*/*") if p.is_file()}
+    assert len(kept) == 1 and f"{workdir}/seed=43,optim.learning_rate=0.05" in kept[0], out
+    assert before == {p: p.read_bytes() for p in workdir.glob("*=0.05/*") if p.is_file()}
     assert replica_rows(workdir) == uninterrupted
 
 
@@ -636,3 +639,192 @@ def test_a_deleted_replica_folder_is_computed_again_with_a_warning(tmp_path, cap
     assert len(warnings) == 1 and "its folder was deleted" in warnings[0], caplog.text
     assert "computed again from round 0" in warnings[0]
     assert replica_rows(workdir) == whole
+
+
+def test_a_replica_folder_with_a_single_runs_checkpoints_is_refused(tmp_path):
+    """A replica extended by a single run (its own checkpoints): the sweep would cut its rows back
+    to the sweep's round, so it refuses in one line and deletes nothing."""
+    from fedorth.train import WorkdirConflictError
+
+    workdir = tmp_path / "s"
+    values = {"seed": [42, 43], "optim.learning_rate": [0.1]}
+    run_sweep_in(workdir, values, 2)
+    replica = workdir / "seed=42,optim.learning_rate=0.1"
+    import shutil
+
+    shutil.copytree(workdir / "checkpoints", replica / "checkpoints")
+    rows = (replica / "metrics.jsonl").read_bytes()
+    with pytest.raises(WorkdirConflictError, match="holds checkpoints of a single run") as info:
+        run_sweep_in(workdir, values, 4)
+    assert "\n" not in str(info.value) and f"move that folder out of {workdir}" in str(info.value)
+    assert (replica / "metrics.jsonl").read_bytes() == rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The command: signals, locks shared with single runs, huge grids.
+
+STOP_ARGS = [
+    "--config=fedavg",
+    "--config.model.hidden_sizes=()",
+    "--config.data.num_clients=4",
+    "--config.fed.clients_per_round=2",
+    "--config.fed.local_steps=2",
+    "--config.fed.batch_size=8",
+    "--config.checkpoint_every=0",
+]
+
+
+def _sweep_command(workdir: pathlib.Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.sweep", f"--workdir={workdir}", *STOP_ARGS, *args]
+
+
+def _wait_for_line(proc, prefix: str, timeout: float = 300) -> list[str]:
+    """The stderr lines of ``proc`` up to the first that contains ``prefix``."""
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stderr:
+        lines.append(line)
+        if prefix in line or time.monotonic() > deadline:
+            break
+    assert lines and prefix in lines[-1], "".join(lines)
+    return lines
+
+
+def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep(tmp_path):
+    """SIGTERM during the first round: the sweep saves the round it ends, says where the same
+    command resumes, exits 143 without a traceback; the rerun says "Resumed" and "Finished" and
+    ends with the rows of a sweep never stopped."""
+    args = ["--config.fed.rounds=60", "--config.eval_every=20", "--sweep.seed=42,43"]
+    cache = tmp_path / "compilation_cache"
+    whole = _run(_sweep_command(tmp_path / "whole", *args), cache)
+    assert whole.returncode == 0, whole.stderr
+    workdir = tmp_path / "stopped"
+    command = _sweep_command(workdir, *args)
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(cache), stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_line(proc, "round 0/60")
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    stopped_at = _steps(workdir)[-1]
+    assert 0 < stopped_at < 60, stderr
+    assert stderr.rstrip().endswith(
+        f"interrupted (SIGTERM) at round {stopped_at}; the same command resumes the sweep from "
+        f"round {stopped_at} ({workdir})."
+    ), stderr
+    again = _run(command, cache)
+    assert again.returncode == 0, again.stderr
+    assert f"Resumed the sweep from round {stopped_at} in {workdir}." in again.stderr
+    assert "Finished the sweep at round 60: 2 replicas" in again.stderr, again.stderr
+    names = ["seed=42", "seed=43"]
+    for name in names:
+        assert _rows(workdir / name) == _rows(tmp_path / "whole" / name), name
+
+
+def test_second_ctrl_c_stops_a_sweep_at_once_without_traceback(tmp_path):
+    workdir = tmp_path / "w"
+    command = _sweep_command(workdir, "--config.fed.rounds=100000", "--sweep.seed=42")
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_line(proc, "round 0/100000")
+        proc.send_signal(signal.SIGINT)
+        _wait_for_line(proc, "SIGINT: stopping after the round in progress, saved")
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "\ninterrupted " in stderr and "the same command resumes the sweep" in stderr, stderr
+
+
+def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_after(tmp_path):
+    """While the sweep runs, its replica folders are locked: a single run there is refused naming
+    the sweep's command. Once it stopped, a single run there is still refused (the replica's state
+    is in the sweep's checkpoint): its rows stay the sweep's."""
+    workdir = tmp_path / "w"
+    command = _sweep_command(workdir, "--config.fed.rounds=100000", "--sweep.seed=42,43")
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True)
+    replica = workdir / "seed=42"
+    single = [
+        sys.executable,
+        "-m",
+        "experiments.main",
+        f"--workdir={replica}",
+        *STOP_ARGS,
+        "--config.fed.rounds=100000",
+    ]
+    try:
+        _wait_for_line(proc, "round 0/100000")
+        running = _run(single)
+        proc.send_signal(signal.SIGTERM)
+        proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert running.returncode == 1, running.stderr
+    errors = [line for line in running.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{replica} is in use by another run" in errors[0], running.stderr
+    assert "experiments.sweep" in errors[0] and "--sweep.seed=42,43" in errors[0]
+    rows = (replica / "metrics.jsonl").read_bytes()
+    stopped = _run(single)
+    assert stopped.returncode == 1, stopped.stderr
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stopped.stderr
+    assert f"{replica} is a replica folder of the sweep in {workdir}" in errors[0]
+    assert "Traceback" not in stopped.stderr
+    assert (replica / "metrics.jsonl").read_bytes() == rows
+
+
+def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_refused(tmp_path):
+    """10,000 replicas: the sweep says so, with their memory and build time, before it makes a
+    folder, then shows its progress while it makes them; 100,000,000 replicas are refused in one
+    line (about 50 TB of host memory), before any folder."""
+    seeds = "--sweep.seed=" + ",".join(str(s) for s in range(10_000))
+    workdir = tmp_path / "w"
+    proc = subprocess.Popen(
+        _sweep_command(workdir, "--config.fed.rounds=2", seeds),
+        cwd=REPO,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        started = time.monotonic()
+        lines = _wait_for_line(proc, "Grid of 10000 replicas", timeout=120)
+        assert time.monotonic() - started < 120
+        assert not workdir.exists() or not any(workdir.iterdir()), "no folder before the check"
+        assert "of host memory" in lines[-1] and "building them takes about" in lines[-1]
+        lines = _wait_for_line(proc, "Preparing 10000 replica folders: 1000/10000")
+        made = sum(1 for p in workdir.iterdir() if p.is_dir())
+        assert made < 10_000
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+
+    rates = "--sweep.optim.learning_rate=" + ",".join(
+        f"{(i + 1) * 1e-5:.5f}" for i in range(10_000)
+    )
+    huge = tmp_path / "huge"
+    started = time.monotonic()
+    out = _run(_sweep_command(huge, "--config.fed.rounds=2", seeds, rates))
+    assert time.monotonic() - started < 120
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert "the grid of 100000000 replicas needs about" in errors[0], out.stderr
+    assert "split it into sweeps of at most" in errors[0]
+    assert "Traceback" not in out.stderr and not huge.exists()

@@ -230,8 +230,9 @@ def check_size(config: ml_collections.ConfigDict, grid: Grid, stream) -> None:
     """Says how many replicas ``grid`` makes, the host memory they need and how long building
     them takes, before any folder is made or any replica built; refuses a grid that cannot fit.
 
-    One replica is built and measured (a second is timed): each replica holds its data (built from its seed and
-    ``data.alpha``) and its server state, which a round and a checkpoint copy twice more.
+    One replica is built and measured (a second is timed): each replica holds its data (built
+    from its seed and ``data.alpha``) and its server state, which a round and a checkpoint copy
+    twice more.
 
     Raises:
       SweepError: the replicas need more memory than is available, or more open files (one
@@ -534,15 +535,6 @@ class _Sweep:
         for index in again:
             (self.folders[index] / DIVERGED_FILE).unlink(missing_ok=True)
             self.diverged.pop(index, None)
-        states = self.initial
-        if done and again:
-            states = self._catch_up(states, restored, again, done, signals)
-        elif done:
-            states = rr.unstack(_stack_states([restored[i] for i in range(count)]))
-        else:
-            for writer in self.writers:
-                with loop._disk_space(writer.path, None, self.checkpointer):
-                    writer.resume(-1)
         print(
             f"Sweep of {count} replicas x {self.rounds} rounds: replicas {rr.strategy}"
             + (
@@ -555,6 +547,23 @@ class _Sweep:
         )
         if rr.replica_selection is not None:
             print(describe_selection(rr.replica_selection), file=self.stream)
+        states = self.initial
+        if done and again:
+            states = self._catch_up(states, restored, again, done, signals)
+        elif done:
+            states = rr.unstack(_stack_states([restored[i] for i in range(count)]))
+        else:
+            for writer in self.writers:
+                with loop._disk_space(writer.path, None, self.checkpointer):
+                    writer.resume(-1)
+        if done and (again or plan.removed):
+            # The saved step holds the old grid's replicas: it is replaced by the new grid's (a
+            # kill in between falls back to an older step, or starts the sweep over).
+            if done in self.checkpointer.manager.all_steps():
+                self.checkpointer.manager.delete(done)
+            step_path = self.checkpointer.directory / str(done)
+            with loop._disk_space(step_path, None, self.checkpointer):
+                self.checkpointer.save(rr.stack(states), force=True)
         ran = done < self.rounds
         states, done, last = self._train(rr, states, done, list(range(count)), signals, save=True)
         self.done = done
