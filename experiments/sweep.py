@@ -110,6 +110,12 @@ def main(argv):
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the loop's message names the rounds
         for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
             signal.signal(signum, signal.SIG_IGN)
+        # A second signal during the clean-up after a stop: the stop's message says where the
+        # sweep resumes.
+        while not isinstance(e, train.RunInterrupted) and isinstance(
+            e.__context__, KeyboardInterrupt
+        ):
+            e = e.__context__
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
         sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
 

@@ -773,7 +773,7 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
     assert running.returncode == 1, running.stderr
     errors = [line for line in running.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{replica} is in use by another run" in errors[0], running.stderr
-    assert "experiments.sweep" in errors[0] and "--sweep.seed=42,43" in errors[0]
+    assert "sweep.py" in errors[0] and "--sweep.seed=42,43" in errors[0], "the sweep's command"
     rows = (replica / "metrics.jsonl").read_bytes()
     stopped = _run(single)
     assert stopped.returncode == 1, stopped.stderr
