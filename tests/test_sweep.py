@@ -828,3 +828,48 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
     assert "the grid of 100000000 replicas needs about" in errors[0], out.stderr
     assert "split it into sweeps of at most" in errors[0]
     assert "Traceback" not in out.stderr and not huge.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MB tmpfs (mounting needs root; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no mount command")
+    if mounted.returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
+    """A finished 2-round sweep extended to 4 rounds on a disk with room for its rows but not for
+    a checkpoint: one line names the file, the space and the intact checkpoint; no row is lost."""
+    args = ["--config.eval_every=1", "--config.checkpoint_every=1", "--sweep.seed=42,43"]
+    first = tmp_path / "first"
+    done = _run(_sweep_command(first, "--config.fed.rounds=2", *args))
+    assert done.returncode == 0, done.stderr
+    workdir = small_disk / "w"
+    import shutil
+
+    shutil.copytree(first, workdir)
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(bytes(max(free - 24_000, 0)))
+    out = _run(_sweep_command(workdir, "--config.fed.rounds=4", *args))
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert errors[0].startswith("error: No space left on the device of "), errors[0]
+    assert f"the last intact checkpoint is {workdir / 'checkpoints' / '2'}" in errors[0]
+    for name in ("seed=42", "seed=43"):
+        rounds = [row["round"] for row in _rows(workdir / name)]
+        assert rounds[:3] == [0, 1, 2], rounds
+    assert _steps(workdir)[-1] == 2
