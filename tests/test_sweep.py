@@ -561,6 +561,17 @@ def run_sweep_in(workdir: pathlib.Path, values: dict, rounds: int, **kwargs) -> 
     return stream.getvalue()
 
 
+ERRORS_DOC = REPO / "docs" / "ERRORS.md"
+
+
+def assert_documented(description: str, message: str, workdir: pathlib.Path) -> None:
+    """docs/ERRORS.md's "Sweeps" section has the row of ``message`` (``workdir`` as
+    $WORKDIR)."""
+    cell = message.replace(str(workdir), "$WORKDIR").replace("|", "\\|")
+    row = f"| {description} | {cell} |"
+    assert row in ERRORS_DOC.read_text(), f"docs/ERRORS.md's Sweeps section lacks:\n{row}"
+
+
 def replica_rows(workdir: pathlib.Path) -> dict[str, list[dict]]:
     return {p.name: _rows(p) for p in sorted(workdir.iterdir()) if (p / "metrics.jsonl").exists()}
 
@@ -622,6 +633,12 @@ def test_another_grid_is_refused_without_sweep_json(tmp_path, values, reason):
     message = str(info.value)
     assert "\n" not in message and "holds another sweep" in message
     assert "pass --overwrite to discard that sweep" in message
+    described = {
+        "no replica in common": "seeds 44, 45 where the checkpoint holds 42, 43",
+        "keys": "`--sweep.seed=42,43` alone where the checkpoint holds seeds x learning rates",
+    }
+    description = described["keys" if "keys" in reason else reason] + ", `sweep.json` deleted"
+    assert_documented(f"{description} (exit code 1)", "error: " + message, workdir)
 
 
 def test_a_deleted_replica_folder_is_computed_again_with_a_warning(tmp_path, caplog):
@@ -638,6 +655,9 @@ def test_a_deleted_replica_folder_is_computed_again_with_a_warning(tmp_path, cap
     warnings = [r.getMessage() for r in caplog.records if str(lost) in r.getMessage()]
     assert len(warnings) == 1 and "its folder was deleted" in warnings[0], caplog.text
     assert "computed again from round 0" in warnings[0]
+    assert_documented(
+        "a replica folder deleted (a warning; the sweep goes on)", warnings[0], workdir
+    )
     assert replica_rows(workdir) == whole
 
 
@@ -657,6 +677,11 @@ def test_a_replica_folder_with_a_single_runs_checkpoints_is_refused(tmp_path):
     with pytest.raises(WorkdirConflictError, match="holds checkpoints of a single run") as info:
         run_sweep_in(workdir, values, 4)
     assert "\n" not in str(info.value) and f"move that folder out of {workdir}" in str(info.value)
+    assert_documented(
+        "a replica folder holding checkpoints of a single run (exit code 1)",
+        "error: " + str(info.value),
+        workdir,
+    )
     assert (replica / "metrics.jsonl").read_bytes() == rows
 
 
@@ -716,6 +741,11 @@ def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_s
         f"interrupted (SIGTERM) at round {stopped_at}; the same command resumes the sweep from "
         f"round {stopped_at} ({workdir})."
     ), stderr
+    assert_documented(
+        "SIGTERM during round r (exit code 143; Ctrl-C: 130)",
+        stderr.rstrip().splitlines()[-1].replace(f"round {stopped_at}", "round r"),
+        workdir,
+    )
     again = _run(command, cache)
     assert again.returncode == 0, again.stderr
     assert f"Resumed the sweep from round {stopped_at} in {workdir}." in again.stderr
@@ -780,6 +810,12 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stopped.stderr
     assert f"{replica} is a replica folder of the sweep in {workdir}" in errors[0]
+    assert_documented(
+        "`experiments.main` in a replica folder of a stopped sweep (exit code 1; while the sweep "
+        "runs, the folder's lock refuses it)",
+        errors[0],
+        workdir,
+    )
     assert "Traceback" not in stopped.stderr
     assert (replica / "metrics.jsonl").read_bytes() == rows
 
@@ -801,11 +837,11 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
         started = time.monotonic()
         lines = _wait_for_line(proc, "Grid of 10000 replicas", timeout=120)
         assert time.monotonic() - started < 120
-        assert not workdir.exists() or not any(workdir.iterdir()), "no folder before the check"
+        assert not any("Preparing" in line for line in lines), "the check comes first"
+        made = sum(1 for p in workdir.iterdir() if p.is_dir()) if workdir.exists() else 0
+        assert made < 10_000, "the grid is checked before its folders are made"
         assert "of host memory" in lines[-1] and "building them takes about" in lines[-1]
-        lines = _wait_for_line(proc, "Preparing 10000 replica folders: 1000/10000")
-        made = sum(1 for p in workdir.iterdir() if p.is_dir())
-        assert made < 10_000
+        _wait_for_line(proc, "Preparing 10000 replica folders: 1000/10000")
         proc.send_signal(signal.SIGTERM)
         stderr = proc.stderr.read()
         proc.wait(timeout=120)
@@ -827,6 +863,11 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
     assert len(errors) == 1, out.stderr
     assert "the grid of 100000000 replicas needs about" in errors[0], out.stderr
     assert "split it into sweeps of at most" in errors[0]
+    import re
+
+    message = re.sub(r"\d+\.\d [kMGT]B", "$SIZE", errors[0])
+    message = re.sub(r"at most \d+ replicas", "at most $N replicas", message)
+    assert_documented("a grid of 100,000,000 replicas (exit code 2)", message, huge)
     assert "Traceback" not in out.stderr and not huge.exists()
 
 

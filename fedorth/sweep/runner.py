@@ -510,12 +510,11 @@ class _Sweep:
                 again.append(index)
                 what = "its folder was deleted" if not had_rows[index] else "its rows were lost"
                 logging.warning(
-                    "%s: %s (rounds %s of %d are missing); the sweep's checkpoint holds its state "
-                    "at round %d, not its rows, so the replica is computed again from round 0.",
+                    "%s: %s (no row of rounds %s); the sweep's checkpoint holds its state at "
+                    "round %d but not its rows, so the replica is computed again from round 0.",
                     self.folders[index],
                     what,
                     ", ".join(map(str, lost[:5])) + (" ..." if len(lost) > 5 else ""),
-                    done,
                     done,
                 )
         again.sort()
