@@ -5,6 +5,7 @@ On a GPU: ``JAX_PLATFORMS=cuda,cpu python -m pytest -n 2 tests`` (docs/PERFORMAN
 """
 
 import os
+import subprocess
 
 import pytest
 
@@ -144,3 +145,22 @@ def _float32_newton_schulz(monkeypatch):
 
     module = sys.modules["fedorth.optim.newton_schulz"]
     monkeypatch.setattr(module, "default_ns_dtype", lambda platform=None: "float32")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs, for a full disk (needs root and mount permission; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no mount command")
+    if done.returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)

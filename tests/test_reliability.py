@@ -1103,25 +1103,6 @@ def test_cli_corrupted_checkpoint_fallback_is_one_line(tmp_path, tiny_reference,
     assert without_wall(rows_of(workdir)) == without_wall(rows_of(tiny_reference))
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MB tmpfs (needs root and mount permission; skipped elsewhere)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("no mount command")
-    if done.returncode != 0:
-        pytest.skip("mounting a tmpfs is not permitted here")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
-
-
 def test_full_disk_is_one_line_naming_file_space_and_last_checkpoint(
     small_disk, tiny_reference, cli_env
 ):

@@ -13,6 +13,7 @@ so every seed's round has the same shapes, and the model is linear (``hidden_siz
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -688,19 +689,23 @@ def test_a_replica_folder_with_a_single_runs_checkpoints_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The command: signals, locks shared with single runs, huge grids.
 
-STOP_ARGS = [
-    "--config=fedavg",
-    "--config.model.hidden_sizes=()",
-    "--config.data.num_clients=4",
-    "--config.fed.clients_per_round=2",
-    "--config.fed.local_steps=2",
-    "--config.fed.batch_size=8",
-    "--config.checkpoint_every=0",
-]
+STOP_ARGS = [*TINY_ARGS, "--config.checkpoint_every=0"]  # the last value of a flag wins
 
 
 def _sweep_command(workdir: pathlib.Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "experiments.sweep", f"--workdir={workdir}", *STOP_ARGS, *args]
+
+
+@contextlib.contextmanager
+def _running(command: list[str], env: dict[str, str]):
+    """The command started (its stderr a text pipe), killed on the way out if still running."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_for_line(proc, prefix: str, timeout: float = 300) -> list[str]:
@@ -724,15 +729,11 @@ def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_s
     assert whole.returncode == 0, whole.stderr
     workdir = tmp_path / "stopped"
     command = _sweep_command(workdir, *args)
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(cache), stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(command, _env(cache)) as proc:
         _wait_for_line(proc, "round 0/60")
         proc.send_signal(signal.SIGTERM)
         stderr = proc.stderr.read()
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr, stderr
     stopped_at = _steps(workdir)[-1]
@@ -758,17 +759,13 @@ def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_s
 def test_second_ctrl_c_stops_a_sweep_at_once_without_traceback(tmp_path):
     workdir = tmp_path / "w"
     command = _sweep_command(workdir, "--config.fed.rounds=100000", "--sweep.seed=42")
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(command, _env()) as proc:
         _wait_for_line(proc, "round 0/100000")
         proc.send_signal(signal.SIGINT)
         _wait_for_line(proc, "SIGINT: stopping after the round in progress, saved")
         proc.send_signal(signal.SIGINT)
         stderr = proc.stderr.read()
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr, stderr
     assert "\ninterrupted " in stderr and "the same command resumes the sweep" in stderr, stderr
@@ -780,7 +777,6 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
     is in the sweep's checkpoint): its rows stay the sweep's."""
     workdir = tmp_path / "w"
     command = _sweep_command(workdir, "--config.fed.rounds=100000", "--sweep.seed=42,43")
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True)
     replica = workdir / "seed=42"
     single = [
         sys.executable,
@@ -790,15 +786,12 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
         *STOP_ARGS,
         "--config.fed.rounds=100000",
     ]
-    try:
+    with _running(command, _env()) as proc:
         _wait_for_line(proc, "round 0/100000")
         running = _run(single)
         proc.send_signal(signal.SIGTERM)
         proc.stderr.read()
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM
     assert running.returncode == 1, running.stderr
     errors = [line for line in running.stderr.splitlines() if line.startswith("error:")]
@@ -826,14 +819,7 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
     line (about 50 TB of host memory), before any folder."""
     seeds = "--sweep.seed=" + ",".join(str(s) for s in range(10_000))
     workdir = tmp_path / "w"
-    proc = subprocess.Popen(
-        _sweep_command(workdir, "--config.fed.rounds=2", seeds),
-        cwd=REPO,
-        env=_env(),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _running(_sweep_command(workdir, "--config.fed.rounds=2", seeds), _env()) as proc:
         started = time.monotonic()
         lines = _wait_for_line(proc, "Grid of 10000 replicas", timeout=120)
         assert time.monotonic() - started < 120
@@ -845,9 +831,6 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
         proc.send_signal(signal.SIGTERM)
         stderr = proc.stderr.read()
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr, stderr
 
@@ -869,25 +852,6 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
     message = re.sub(r"at most \d+ replicas", "at most $N replicas", message)
     assert_documented("a grid of 100,000,000 replicas (exit code 2)", message, huge)
     assert "Traceback" not in out.stderr and not huge.exists()
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """An 8 MB tmpfs (mounting needs root; skipped elsewhere)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("no mount command")
-    if mounted.returncode != 0:
-        pytest.skip("mounting a tmpfs is not permitted here")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
 
 
 def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
