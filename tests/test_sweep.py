@@ -719,6 +719,17 @@ def _wait_for_line(proc, prefix: str, timeout: float = 300) -> list[str]:
     return lines
 
 
+def _terminate(proc) -> str:
+    """Sends ``proc`` SIGTERM; its stderr from here on, once it stopped as a single run stops
+    (exit code 143, no traceback)."""
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    return stderr
+
+
 def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep(tmp_path):
     """SIGTERM during the first round: the sweep saves the round it ends, says where the same
     command resumes, exits 143 without a traceback; the rerun says "Resumed" and "Finished" and
@@ -731,11 +742,7 @@ def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_s
     command = _sweep_command(workdir, *args)
     with _running(command, _env(cache)) as proc:
         _wait_for_line(proc, "round 0/60")
-        proc.send_signal(signal.SIGTERM)
-        stderr = proc.stderr.read()
-        proc.wait(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    assert "Traceback" not in stderr, stderr
+        stderr = _terminate(proc)
     stopped_at = _steps(workdir)[-1]
     assert 0 < stopped_at < 60, stderr
     assert stderr.rstrip().endswith(
@@ -789,10 +796,7 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
     with _running(command, _env()) as proc:
         _wait_for_line(proc, "round 0/100000")
         running = _run(single)
-        proc.send_signal(signal.SIGTERM)
-        proc.stderr.read()
-        proc.wait(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM
+        _terminate(proc)
     assert running.returncode == 1, running.stderr
     errors = [line for line in running.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{replica} is in use by another run" in errors[0], running.stderr
@@ -828,11 +832,7 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
         assert made < 10_000, "the grid is checked before its folders are made"
         assert "of host memory" in lines[-1] and "building them takes about" in lines[-1]
         _wait_for_line(proc, "Preparing 10000 replica folders: 1000/10000")
-        proc.send_signal(signal.SIGTERM)
-        stderr = proc.stderr.read()
-        proc.wait(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    assert "Traceback" not in stderr, stderr
+        _terminate(proc)
 
     rates = "--sweep.optim.learning_rate=" + ",".join(
         f"{(i + 1) * 1e-5:.5f}" for i in range(10_000)
