@@ -59,7 +59,6 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedorth import fed
 from fedorth.sweep.grid import Grid, SweepError, replica_name
 from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
@@ -447,17 +446,10 @@ class _Sweep:
         self.workdir = checkpointer.workdir
         self.diverged: dict[int, int] = {}
         self.wall_offset = 0.0
-        first = replica_round.replicas[0]
         states = replica_round.initial_states()
-        comm = fed.communication_bytes(
-            first.experiment.algorithm, replica_round.replica_state(states, 0)
+        self.comm_row = loop.communication_row(
+            replica_round.replicas[0].experiment, replica_round.replica_state(states, 0)
         )
-        clients = replica_round.round_config.clients_per_round
-        self.comm_row = {
-            "comm_mb_up": comm["bytes_up"] / 1e6,
-            "comm_mb_down": comm["bytes_down"] / 1e6,
-            "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients / 1e6,
-        }
         self.initial = states
         self.done = 0
 
@@ -663,31 +655,20 @@ class _Sweep:
                     with loop._disk_space(step_path, None, self.checkpointer):
                         self.checkpointer.save(rr.stack(states), force=True)
                     self._save_curves(indices)
+                if stopping and not is_last and save:
+                    raise loop.stopped(signals.received, done, self.workdir, "the sweep ")
                 if stopping and not is_last:
-                    name = signal.Signals(signals.received).name
-                    if save:
-                        message = (
-                            f"interrupted ({name}) at round {done}; the same command resumes "
-                            f"the sweep from round {done} ({self.workdir})."
-                        )
-                    else:
-                        message = (
-                            f"interrupted ({name}) at round {done} of the replicas computed from "
-                            f"round 0; the same command resumes the sweep from round {stop} and "
-                            f"computes them again ({self.workdir})."
-                        )
-                    raise loop.RunInterrupted(message, signals.received)
+                    raise loop.RunInterrupted(
+                        f"interrupted ({signal.Signals(signals.received).name}) at round {done} "
+                        f"of the replicas computed from round 0; the same command resumes the "
+                        f"sweep from round {stop} and computes them again ({self.workdir}).",
+                        signals.received,
+                    )
         except loop.RunInterrupted:
             raise
         except KeyboardInterrupt as e:  # a second signal: at once, from the newest checkpoint
-            self.checkpointer.manager.wait_until_finished()
-            saved = self.checkpointer.manager.latest_step()
-            raise loop.RunInterrupted(
-                f"interrupted at round {done}; the same command resumes the sweep from round "
-                f"{saved if saved is not None else 0}"
-                + ("" if saved is not None else " (no checkpoint was saved yet)")
-                + f" ({self.workdir}).",
-                signals.received,
+            raise loop.stopped_at_once(
+                signals.received, done, self.checkpointer, self.workdir, "the sweep "
             ) from e
         return states, done, [last.get(i) for i in range(len(self.folders))]
 

@@ -591,6 +591,44 @@ class _Signals:
             signal.signal(signum, previous)
 
 
+def communication_row(experiment: builders.Experiment, server) -> dict[str, float]:
+    """The communication fields of every ``metrics.jsonl`` row: MB each way per client, and MB
+    per round (``fed.communication_bytes``); single runs and sweeps write the same."""
+    comm = fed.communication_bytes(experiment.algorithm, server)
+    clients = experiment.round_config.clients_per_round
+    return {
+        "comm_mb_up": comm["bytes_up"] / 1e6,
+        "comm_mb_down": comm["bytes_down"] / 1e6,
+        "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients / 1e6,
+    }
+
+
+def stopped(signum: int, round_index: int, workdir: pathlib.Path, what: str = "") -> RunInterrupted:
+    """The stop a signal asked for, after round ``round_index`` was saved (``what``: ``"the
+    sweep "`` for a sweep)."""
+    return RunInterrupted(
+        f"interrupted ({signal.Signals(signum).name}) at round {round_index}; the same command "
+        f"resumes {what}from round {round_index} ({workdir}).",
+        signum,
+    )
+
+
+def stopped_at_once(
+    signum: int | None, done: int, checkpointer: Checkpointer, workdir: pathlib.Path, what: str = ""
+) -> RunInterrupted:
+    """The stop of a second signal (or a ``KeyboardInterrupt`` raised otherwise) after round
+    ``done``: the run resumes from the newest checkpoint, once a save in flight completed."""
+    checkpointer.manager.wait_until_finished()
+    last = checkpointer.manager.latest_step()
+    return RunInterrupted(
+        f"interrupted at round {done}; the same command resumes {what}from round "
+        f"{last if last is not None else 0}"
+        + ("" if last is not None else " (no checkpoint was saved yet)")
+        + f" ({workdir}).",
+        signum,
+    )
+
+
 def _evaluate_checkpoint(server, eval_fn, comm: dict[str, float], writer: MetricsWriter) -> dict:
     """The row of the restored round, when ``metrics.jsonl`` and TensorBoard both lack it: the
     checkpoint's model evaluated again (the test metrics are those the run wrote; the round's
@@ -614,15 +652,10 @@ def _train_rounds(
     restored = checkpointer.restore_latest(server)
     wall_offset = 0.0
     title = f"{config.fed.algorithm} on {config.data.name}"
-    comm = fed.communication_bytes(experiment.algorithm, server)
-    clients_per_round = experiment.round_config.clients_per_round
+    comm = communication_row(experiment, server)
 
     def comm_row() -> dict[str, float]:
-        return {
-            "comm_mb_up": comm["bytes_up"] / 1e6,
-            "comm_mb_down": comm["bytes_down"] / 1e6,
-            "comm_mb_round": (comm["bytes_up"] + comm["bytes_down"]) * clients_per_round / 1e6,
-        }
+        return dict(comm)
 
     metrics_path = workdir / "metrics.jsonl"
     eval_fn = builders.make_eval_fn(experiment)
@@ -725,25 +758,12 @@ def _train_rounds(
                 checkpointer.save(server, force=is_last or stopping)
             if stopping and not is_last:
                 plotter.wait()
-                raise RunInterrupted(
-                    f"interrupted ({signal.Signals(signals.received).name}) at round "
-                    f"{round_index}; the same command resumes from round {round_index} "
-                    f"({workdir}).",
-                    signals.received,
-                )
+                raise stopped(signals.received, round_index, workdir)
     except RunInterrupted:
         raise
     except KeyboardInterrupt as e:
         plotter.wait()
-        checkpointer.manager.wait_until_finished()  # a save in flight completes first
-        last = checkpointer.manager.latest_step()
-        raise RunInterrupted(
-            f"interrupted at round {done}; the same command resumes from round "
-            f"{last if last is not None else 0}"
-            + ("" if last is not None else " (no checkpoint was saved yet)")
-            + f" ({workdir}).",
-            signals.received,
-        ) from e
+        raise stopped_at_once(signals.received, done, checkpointer, workdir) from e
     finally:
         plotter.wait()  # no drawing outlives a failed run (its folder may be removed next)
     with _disk_space(checkpointer.directory / str(done), state_bytes, checkpointer):
