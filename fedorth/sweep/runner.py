@@ -93,28 +93,35 @@ def _replica_key(values: dict[str, Any]) -> tuple:
     return tuple(sorted(values.items()))
 
 
+def _is_identity(value: Any) -> bool:
+    if not isinstance(value, dict) or not isinstance(value.get("config"), dict):
+        return False
+    grid = value.get(GRID_KEY)
+    return isinstance(grid, list) and all(
+        isinstance(item, list) and len(item) == 2 and isinstance(item[1], list) for item in grid
+    )
+
+
 def _saved_identity(workdir: pathlib.Path) -> tuple[str, dict[str, Any] | None] | None:
     """The identity of the sweep in ``workdir`` and where it is recorded, or ``None``.
 
     The newest complete checkpoint's copy comes first (it travels with the states it describes);
-    ``sweep.json`` only while there is no checkpoint. ``None`` in place of the dict: the record is
-    not readable, or a checkpoint carries no grid (saved by an older fedorth).
+    ``sweep.json`` only while there is no checkpoint, and only if it reads as one (without a
+    checkpoint there is no state to protect). ``None`` in place of the dict: the checkpoints
+    carry no grid (saved by an older fedorth).
     """
     directory = workdir / "checkpoints"
     saved = checkpoint_lib.saved_config(directory)
     if saved is not None:
         step, identity = saved
-        return f"checkpoint {step}", identity if GRID_KEY in identity else None
+        return f"checkpoint {step}", identity if _is_identity(identity) else None
     if any(checkpoint_lib._is_complete(d) for d in checkpoint_lib._step_dirs(directory)):
         return "checkpoints", None
-    path = workdir / SWEEP_FILE
-    if not path.exists():
-        return None
     try:
-        identity = json.loads(path.read_text())
+        identity = json.loads((workdir / SWEEP_FILE).read_text())
     except (OSError, ValueError):
-        return SWEEP_FILE, None
-    return SWEEP_FILE, identity if isinstance(identity, dict) and GRID_KEY in identity else None
+        return None
+    return (SWEEP_FILE, identity) if _is_identity(identity) else None
 
 
 def _without_rounds(config: dict) -> dict:
@@ -153,8 +160,8 @@ def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
     reason = None
     if saved is None:
         reason = (
-            f"its {where} carry no grid (written by an older fedorth): resume it with the "
-            "version that wrote it (run_info.json names its git commit)"
+            f"no grid recorded in its {where}, written by an older fedorth: resume it with the "
+            "version that wrote it, whose git commit run_info.json names"
         )
     else:
         old_keys = [key for key, _ in saved[GRID_KEY]]
@@ -322,7 +329,7 @@ def _add_replica_strategy(path: pathlib.Path, replica_round: ReplicaRound) -> No
 def _own_checkpoints(folder: pathlib.Path) -> None:
     """Refuses a replica folder that holds checkpoints of its own: a single run extended it, and
     the sweep would drop that run's rows past the sweep's round."""
-    steps = [p for p in checkpoint_lib._step_dirs(folder / "checkpoints")]
+    steps = checkpoint_lib._step_dirs(folder / "checkpoints")
     if steps:
         raise loop.WorkdirConflictError(
             f"{folder} holds checkpoints of a single run (round {steps[0].name}), which the "
