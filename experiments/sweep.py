@@ -112,10 +112,10 @@ def main(argv):
             signal.signal(signum, signal.SIG_IGN)
         # A second signal during the clean-up after a stop: the stop's message says where the
         # sweep resumes.
-        while not isinstance(e, train.RunInterrupted) and isinstance(
-            e.__context__, KeyboardInterrupt
-        ):
-            e = e.__context__
+        stop = e
+        while stop is not None and not isinstance(stop, train.RunInterrupted):
+            stop = stop.__context__  # through what the clean-up raised and handled
+        e = stop or e
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
         sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
 

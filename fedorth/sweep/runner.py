@@ -615,15 +615,16 @@ class _Sweep:
             out = jax.device_get(evaluators[k](state.params, state.model_state))
             return {key: float(v) for key, v in out.items()}
 
-        if done == 0 and self.eval_every > 0:
-            rows = []
-            for k, index in enumerate(indices):
-                row = {"round": 0, **evaluate(k, rr.replica_state(states, k)), **self.comm_row}
-                row["wall_s"] = time.perf_counter() - start
-                write(index, row)
-                rows.append(row)
-            progress.update(0, _mean(rows))
         try:
+            if done == 0 and self.eval_every > 0:
+                rows = []
+                for k, index in enumerate(indices):
+                    state = rr.replica_state(states, k)
+                    row = {"round": 0, **evaluate(k, state), **self.comm_row}
+                    row["wall_s"] = time.perf_counter() - start
+                    write(index, row)
+                    rows.append(row)
+                progress.update(0, _mean(rows))
             while done < stop:
                 states, metrics = rr(states)
                 done += 1
