@@ -585,6 +585,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, list[dict]]:
     return replica_rows(workdir)
 
 
+@pytest.mark.slow  # five sweeps: scheduled first
 def test_resume_maps_replicas_by_identity_and_a_grid_may_grow_or_shrink(tmp_path, uninterrupted):
     """Two rounds of seed 42 at two learning rates, then the same grid with its flags in the
     other order and 4 rounds: each replica resumes from its own state (the folders keep the first
@@ -730,6 +731,7 @@ def _terminate(proc) -> str:
     return stderr
 
 
+@pytest.mark.slow  # several processes: scheduled first
 def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep(tmp_path):
     """SIGTERM during the first round: the sweep saves the round it ends, says where the same
     command resumes, exits 143 without a traceback; the rerun says "Resumed" and "Finished" and
@@ -778,6 +780,7 @@ def test_second_ctrl_c_stops_a_sweep_at_once_without_traceback(tmp_path):
     assert "\ninterrupted " in stderr and "the same command resumes the sweep" in stderr, stderr
 
 
+@pytest.mark.slow  # several processes: scheduled first
 def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_after(tmp_path):
     """While the sweep runs, its replica folders are locked: a single run there is refused naming
     the sweep's command. Once it stopped, a single run there is still refused (the replica's state
@@ -817,6 +820,7 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
     assert (replica / "metrics.jsonl").read_bytes() == rows
 
 
+@pytest.mark.slow  # several processes: scheduled first
 def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_refused(tmp_path):
     """10,000 replicas: the sweep says so, with their memory and build time, before it makes a
     folder, then shows its progress while it makes them; 100,000,000 replicas are refused in one
@@ -854,6 +858,7 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
     assert "Traceback" not in out.stderr and not huge.exists()
 
 
+@pytest.mark.slow  # several processes: scheduled first
 def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
     """A finished 2-round sweep extended to 4 rounds on a disk with room for its rows but not for
     a checkpoint: one line names the file, the space and the intact checkpoint; no row is lost."""
