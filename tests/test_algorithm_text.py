@@ -2,10 +2,11 @@
 
 A :class:`fedorth.fed.FedAlgorithm` is one spec per design axis (``local_tx``, ``start``,
 ``corrections``, ``quantities``, ``report``, ``server``; docs/ARCHITECTURE.md). A docstring,
-comment, message or page of docs/ that maps a paper's algorithm onto the engine names those specs
-(``start.Global(mask=...)``, ``FromState(read)``, ``update.GlobalStep(gamma)``), never a field of
-a flat ``FedAlgorithm`` that fedorth does not have (``control_variates="momentum"``,
-``aggregate_mask``, ``client_prepass``, ...): a reader would look for it and not find it.
+comment, message, page of docs/ or notebook that maps a paper's algorithm onto the engine names
+those specs (``start.Global(mask=...)``, ``FromState(read)``, ``update.GlobalStep(gamma)``),
+never a field of a flat ``FedAlgorithm`` that fedorth does not have
+(``control_variates="momentum"``, ``aggregate_mask``, ``client_prepass``, ...): a reader would
+look for it and not find it.
 
 ``client_state`` and ``server_rule`` are also the ``fed.options`` of some builders
 (``"reset"``/``"persistent"`` and ``"mean"``/``"partial"``). Written with a value, they must
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
+import json
 import pathlib
 import re
 import tokenize
@@ -110,7 +112,22 @@ def python_files() -> list[pathlib.Path]:
 
 
 def pages() -> list[pathlib.Path]:
-    return sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+    return sorted(
+        [
+            ROOT / "README.md",
+            ROOT / "benchmarks" / "README.md",
+            *(ROOT / "docs").rglob("*.md"),
+            *(ROOT / "notebooks").glob("*.md"),
+            *(ROOT / "notebooks").glob("*.ipynb"),
+        ]
+    )
+
+
+def page_text(path: pathlib.Path) -> str:
+    """A page's text; a notebook's cells (markdown and code), not its outputs."""
+    if path.suffix == ".ipynb":
+        return "\n".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"])
+    return path.read_text()
 
 
 def test_the_names_are_no_fields_and_the_values_no_options():
@@ -185,6 +202,6 @@ def test_module_text_names_the_specs_its_code_builds(path):
 
 @pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_names_the_specs_the_code_builds(path):
-    lines = list(enumerate(path.read_text().splitlines(), 1))
+    lines = list(enumerate(page_text(path).splitlines(), 1))
     found = findings(str(path.relative_to(ROOT)), lines, None)
     assert not found, "\n".join(found)
