@@ -97,7 +97,9 @@ def prev_params_quantities(*, variance_reduction: bool) -> ServerQuantities | No
 
 def check_beta(beta: float) -> None:
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in (0, 1] (weight of the new gradient).")
+        raise ValueError(
+            f"fed.options.beta={beta} must lie in (0, 1] (weight of the new gradient)."
+        )
 
 
 def _momentum_family(

@@ -48,7 +48,7 @@ def fedmuon(
     """
     concrete = fed_optim.is_concrete(alpha)  # else a sweep's traced value: always aligns
     if concrete and not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
+        raise ValueError(f"fed.options.alpha={alpha} must lie in [0, 1].")
     aligns = not concrete or alpha > 0
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(

@@ -48,7 +48,7 @@ def fedmuon_bc(
       other_lr_ratio: learning rate of non-matrix leaves divided by ``eta``.
     """
     if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"fed.alpha={alpha} must lie in (0, 1].")
+        raise ValueError(f"fed.options.alpha={alpha} must lie in (0, 1].")
     opt, weight_decay, hp = local.split_optim(optim)
     if opt != "lmo":
         raise ValueError(f"fedmuon_bc uses an LMO local step: set optim.name='lmo', got {opt!r}.")

@@ -71,7 +71,7 @@ def fedmuon_zg(optim: Mapping[str, Any], *, beta: float = 0.1) -> FedAlgorithm:
         paper's "momentum 0.9" (module docstring).
     """
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in (0, 1].")
+        raise ValueError(f"fed.options.beta={beta} must lie in (0, 1].")
     _, weight_decay, hp = local.split_optim(optim)
     if weight_decay < 0:
         raise ValueError(f"optim.weight_decay={weight_decay} must be >= 0.")

@@ -85,7 +85,7 @@ def fedpac(
     """
     concrete = federated.is_concrete(beta)  # else a sweep's traced value: always corrects
     if concrete and not 0.0 <= beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in [0, 1].")
+        raise ValueError(f"fed.options.beta={beta} must lie in [0, 1].")
     corrects = not concrete or beta > 0
     if aligned not in ALIGNED:
         raise ValueError(f"fed.options.aligned={aligned!r}; valid: {ALIGNED}.")
