@@ -159,8 +159,8 @@ class Run:
 def _config_problem(config: Any) -> str | None:
     """What makes ``config`` unreadable as a run's config, or None."""
     if not isinstance(config, dict):
-        kind = {list: "an array", str: "a string", type(None): "null"}.get(type(config), "a number")
-        return f"holds {kind}, not a JSON object"
+        kind = {list: "array", str: "string", type(None): "null"}.get(type(config), "number")
+        return f"holds a JSON {kind}, not an object"
     for fields, required in ((_REQUIRED, True), (_OPTIONAL, False)):
         for name, kind in fields:
             node: Any = config
@@ -168,7 +168,7 @@ def _config_problem(config: Any) -> str | None:
                 node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
             if node is KeyError:
                 if required:
-                    return f"has no {name}"
+                    return f"no key {name}"
             elif not (_is(node, kind) or (node is None and not required)):
                 return f"{name} is {node!r}, not {_JSON_TYPES[kind]}"
     return None
@@ -178,18 +178,18 @@ def _read_config(path: pathlib.Path) -> dict[str, Any]:
     """The config of ``path/config.json``; :class:`ReportError` (one line) when unreadable."""
     file = path / "config.json"
     left_out = (
-        "not a run's config as fedorth writes it; the run is left out of the report (restore "
+        "not a run's config as fedorth writes it, so the run is left out of the report (restore "
         "the file from a copy of the run, or move the folder out of the folders given)"
     )
     try:
         config = json.loads(file.read_bytes().decode("utf-8"))
     except OSError as e:
-        raise ReportError(f"{file} cannot be read ({e.strerror}): {left_out}.") from None
+        raise ReportError(f"{file} cannot be read ({e.strerror}); {left_out}.") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ReportError(f"{file} is not JSON ({e}): {left_out}.") from None
+        raise ReportError(f"{file} is not JSON ({e}); {left_out}.") from None
     problem = _config_problem(config)
     if problem is not None:
-        raise ReportError(f"{file} {problem}: {left_out}.")
+        raise ReportError(f"{file}: {problem}; {left_out}.")
     return config
 
 
@@ -754,14 +754,17 @@ def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Pat
     from matplotlib.patches import Patch
 
     settings = sorted({g.setting for g in groups})
-    fig = Figure(figsize=(17, 3.6 * len(settings)), layout="constrained")
-    axes = fig.subplots(len(settings), 4, squeeze=False)
-    score_key = {g.score_key for g in groups}
-    for row, setting in zip(axes, settings, strict=True):
+    fig = Figure(figsize=(16, 4.6 * len(settings)), layout="constrained")
+    panels = fig.subfigures(len(settings), 1, squeeze=False)[:, 0]
+    communication = "MB communicated, cumulative (up + down)"
+    for panel, setting in zip(panels, settings, strict=True):
         members = [g for g in groups if g.setting == setting]
-        score = "test AUC (%)" if all(g.score_key == "test_auc" for g in members) else None
-        score = score or ("test accuracy (%)" if score_key == {"test_accuracy"} else None)
-        score = score or "test accuracy or AUC (%)"
+        keys = {g.score_key for g in members}
+        score = {
+            frozenset({"test_auc"}): "test AUC (%)",
+            frozenset({"test_accuracy"}): "test accuracy (%)",
+        }.get(frozenset(keys), "test accuracy or AUC (%)")
+        row = panel.subplots(1, 4)
         handles = []
         for index, group in enumerate(members):
             color = f"C{index % 10}"
@@ -774,28 +777,25 @@ def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Pat
                 ax.plot(x, scale * mean, style, color=color, marker="o", markersize=3)
                 ax.fill_between(x, scale * (mean - std), scale * (mean + std), color=color,
                                 alpha=0.2, linewidth=0)  # fmt: skip
-            label = f"{group.label} (n = {len(group.runs)})"
+            n = len(group.runs)
+            label = f"{group.label}: " + ("one seed" if n == 1 else f"mean of {n} seeds")
             if group.diverged:
                 label += f", {_diverged_cell(group)}"
             handles.append(Line2D([], [], color=color, linestyle=style, marker="o", label=label))
         handles.append(Patch(color="0.5", alpha=0.3, label="band: mean ± 1 std over seeds"))
-        communication = "communication (MB, cumulative: up + down, all sampled clients)"
-        for ax, (ylabel, xlabel) in zip(
-            row,
-            (
-                (score, "round"),
-                ("training loss (mean local loss)", "round"),
-                (score, communication),
-                ("training loss (mean local loss)", communication),
-            ),
-            strict=True,
-        ):
+        labels = (
+            (score, "round"),
+            ("training loss (mean local loss)", "round"),
+            (score, communication),
+            ("training loss (mean local loss)", communication),
+        )
+        for ax, (ylabel, xlabel) in zip(row, labels, strict=True):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
         dataset, model, partition = setting
-        row[0].set_title(f"{dataset}, {model}, {partition}", loc="left")
-        row[3].legend(handles=handles, fontsize="small", loc="upper right")
+        panel.suptitle(f"{dataset}, {model}, {partition}")
+        panel.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
     png, pdf = figure_paths(path)
     fig.savefig(png, dpi=200)
     fig.savefig(pdf)
@@ -804,6 +804,9 @@ def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Pat
 
 def _write(path: pathlib.Path, flag: str, write) -> None:
     """``write(path)``, its folder created; a path that cannot be written is one line."""
+    file = next((parent for parent in path.parents if parent.is_file()), None)
+    if file is not None:
+        raise ReportError(f"{flag}={path} cannot be written: {file} is a file; pass another path.")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(path)
