@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from test_reliability import apply
 
 from experiments import report
 
@@ -67,15 +68,7 @@ COMM = {"comm_mb_up": 0.104488, "comm_mb_down": 0.104488, "comm_mb_round": 1.044
 
 def config(seed=42, lr=0.1, **fields):
     """CONFIG with ``seed``, ``lr`` and ``fields`` (dotted keys) set."""
-    out = copy.deepcopy(CONFIG)
-    out["seed"], out["optim"]["learning_rate"] = seed, lr
-    for name, value in fields.items():
-        *parents, leaf = name.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return out
+    return apply(copy.deepcopy(CONFIG), {"seed": seed, "optim.learning_rate": lr, **fields})
 
 
 def rows(accuracies, *, validation=None, score="test_accuracy"):
