@@ -270,8 +270,9 @@ def _value_text(root):
         f.write('{"round": 10, "test_accuracy": "high"}\n')
 
 
-def _seed_text(root):
-    write_run(root / "bad", config("43"), rows([0.1, 0.5]))
+def _seed_text(root):  # a hand-edited seed, in the good run's config
+    fields = {"data.validation_fraction": 0.1}
+    write_run(root / "bad", config("43", **fields), rows([0.1, 0.5], validation=[0.1, 0.6]))
 
 
 def _auc_and_failed(root):  # AUC runs beside a failed run of their config
