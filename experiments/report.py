@@ -347,8 +347,8 @@ class Group:
         if len(keys) > 1:
             logs = "; ".join(f"{run.path}: {run.score_key}" for run in self.runs if run.score_key)
             raise ReportError(
-                f"{self.label}: runs of one config log different scores ({logs}); they were "
-                "made by different code versions: pass each kind to its own report."
+                f"{self.label}: runs of one config log different scores ({logs}), which cannot "
+                "be averaged: report each kind apart, passing only its run folders."
             )
         return keys.pop() if keys else "test_accuracy"
 

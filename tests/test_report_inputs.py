@@ -282,6 +282,12 @@ def _auc_and_failed(root):  # AUC runs beside a failed run of their config
     write_run(root / "failed", config(45, **scaffold), [])
 
 
+def _auc_and_accuracy(root):  # one config, two scores: made by different code versions
+    scaffold = {"fed.algorithm": "scaffold"}
+    write_run(root / "auc", config(43, **scaffold), rows([0.1, 0.5], score="test_auc"))
+    write_run(root / "accuracy", config(44, **scaffold), rows([0.1, 0.6]))
+
+
 # (docs/ERRORS.md's description, what to add beside a good run, extra args, exit code)
 DAMAGED = {
     "a run folder whose `config.json` is not JSON (a warning; the other runs are reported)": (
@@ -323,6 +329,11 @@ DAMAGED = {
         _auc_and_failed,
         (),
         0,
+    ),
+    "runs of one config, one logging `test_auc` and one `test_accuracy` (exit code 2)": (
+        _auc_and_accuracy,
+        (),
+        2,
     ),
     "a `DIR` that holds no run folder (exit code 2)": (lambda root: None, ("$ROOT/empty",), 2),
     "a `DIR` that is a file (exit code 2)": (lambda root: None, ("$ROOT/good/config.json",), 2),
