@@ -782,7 +782,7 @@ def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Pat
             if group.diverged:
                 label += f", {_diverged_cell(group)}"
             handles.append(Line2D([], [], color=color, linestyle=style, marker="o", label=label))
-        handles.append(Patch(color="0.5", alpha=0.3, label="band: mean ± 1 std over seeds"))
+        handles.append(Patch(color="0.5", alpha=0.3, label="band: mean ± 1 sample std over seeds"))
         labels = (
             (score, "round"),
             ("training loss (mean local loss)", "round"),

@@ -480,7 +480,7 @@ def test_the_figure_draws_score_and_loss_against_rounds_and_megabytes(tmp_path, 
     np.testing.assert_allclose(x, np.arange(0, 25, 5) * COMM["comm_mb_round"])
     np.testing.assert_allclose(axes[0].lines[0].get_ydata(), [10, 30, 45, 60, 75])
     legend = [t.get_text() for t in fig.subfigs[0].legends[0].get_texts()]
-    assert legend == ["fedavg: mean of 2 seeds", "band: mean ± 1 std over seeds"]
+    assert legend == ["fedavg: mean of 2 seeds", "band: mean ± 1 sample std over seeds"]
 
 
 # --------------------------------------------------------------------- docs/ERRORS.md
