@@ -41,9 +41,10 @@ Selection as the papers do it: when the runs log a validation split (``data.vali
 ``val_accuracy`` or ``val_auc``), a second table picks, for each method (configs equal but for
 the seed and the learning rate), the learning rate with the best mean validation score and gives
 the test score (mean ± std over seeds) at that rate, with every candidate's validation score
-beside (``--select KEY`` picks another config key). A diverged candidate is never picked. A value
-picked at the edge of its grid (the smallest or the largest tried) is flagged: the optimum may
-lie outside the grid.
+beside (``--select KEY`` picks another config key). A diverged candidate is never picked.
+Candidates whose scores average other seeds, or are read at another round, are named under the
+table. A value picked at the edge of its grid (the smallest or the largest tried) is flagged: the
+optimum may lie outside the grid.
 
 The figure (``report.png`` and ``report.pdf``, written beside the runs: in the folder the ``DIR``
 arguments share, or beside ``--out``; ``--plot PATH`` writes it elsewhere, ``--no-plot`` skips
@@ -624,13 +625,39 @@ class Selection:
         return None
 
 
+def _validation_key(group: Group) -> str:
+    return "val_auc" if group.score_key == "test_auc" else "val_accuracy"
+
+
 def _validation_score(group: Group) -> tuple[float, float]:
     """Mean and std over seeds of the validation score at the last round every run evaluated."""
-    key = "val_auc" if group.score_key == "test_auc" else "val_accuracy"
-    rounds = group.common_rounds(key)
+    rounds = group.common_rounds(_validation_key(group))
     if not rounds:
         return math.nan, math.nan
-    return mean_std(group.values(key, rounds[-1]))
+    return mean_std(group.values(_validation_key(group), rounds[-1]))
+
+
+def _unequal_candidates(selection: Selection) -> str | None:
+    """What differs between the candidates' validation scores besides the value: the seeds they
+    average, or the round they are read at; None when nothing does."""
+    seeds = {value: _seeds(group) for value, group in selection.groups.items()}
+    rounds = {
+        value: (group.common_rounds(_validation_key(group)) or [None])[-1]
+        for value, group in selection.groups.items()
+        if not group.diverged
+    }
+    said = []
+    if len(set(seeds.values())) > 1:
+        said.append(
+            "seeds "
+            + "; ".join(f"{v}: {s}" for v, s in sorted(seeds.items(), key=lambda kv: str(kv[0])))
+        )
+    if len(set(rounds.values())) > 1:
+        said.append(
+            "rounds "
+            + "; ".join(f"{v}: {r}" for v, r in sorted(rounds.items(), key=lambda kv: str(kv[0])))
+        )
+    return " and ".join(said) or None
 
 
 def select_on_validation(
@@ -716,6 +743,11 @@ def selection_table(selections: Sequence[Selection]) -> str:
             f"| {val} | {n} ({_seeds(group)}) | {_fmt(*stats['score'], n, scale=100.0)} "
             f"| {candidates} |"
         )
+    unequal = [(s, _unequal_candidates(s)) for s in selections]
+    unequal = [(s, said) for s, said in unequal if said]
+    if unequal:
+        lines += ["", "Candidates compared over different seeds or rounds:", ""]
+        lines += [f"* {s.label}: {said}." for s, said in unequal]
     edges = [s for s in selections if s.edge]
     if edges:
         lines += ["", "Picked at the edge of the grid: the optimum may lie outside it.", ""]

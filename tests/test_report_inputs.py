@@ -426,6 +426,24 @@ def test_a_diverged_rate_is_never_picked(tmp_path):
     assert "| 0.1 | 48.00 ± 0.00 |" in row and "0.3: diverged" in row, row
 
 
+def test_candidates_over_different_seeds_or_rounds_are_said(tmp_path):
+    """lr 0.3 lacks seed 43 and lr 0.03 stopped at round 10: the validation means they are picked
+    on are not over the same seeds and rounds, which a line under the table says."""
+    _grid(tmp_path, (0.03, 0.1, 0.3), {0.03: 0.5, 0.1: 0.7, 0.3: 0.6})
+    for name in ("seed=43,optim.learning_rate=0.3",):
+        for file in (tmp_path / name).iterdir():
+            file.unlink()
+        (tmp_path / name).rmdir()
+    for seed in (42, 43):
+        metrics = tmp_path / f"seed={seed},optim.learning_rate=0.03" / "metrics.jsonl"
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))
+    out = run_report(tmp_path, "--no-plot")
+    assert out.returncode == 0, out.stderr
+    assert (
+        "* fedavg: seeds 0.03: 42,43; 0.1: 42,43; 0.3: 42 and rounds 0.03: 10; 0.1: 20; 0.3: 20."
+    ) in out.stdout, out.stdout
+
+
 # --------------------------------------------------------------------- the figure
 
 
