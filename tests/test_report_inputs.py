@@ -7,7 +7,9 @@ every damaged input is one line, never a traceback. The messages are listed in d
 """
 
 import copy
+import io
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -102,7 +104,7 @@ def run_report(*args, cwd=REPO):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert "Traceback" not in out.stderr, out.stderr
     return out
@@ -150,7 +152,7 @@ def test_the_report_keeps_the_rows_the_run_keeps(tmp_path):
     lines.insert(4, lines[3])  # a second row of round 10
     lines.append('{"round": 25, "test_acc')
     (path / "metrics.jsonl").write_text("".join(lines))
-    notes = report.Notes(stream=open("/dev/null", "w"))  # noqa: SIM115
+    notes = report.Notes(stream=io.StringIO())
     run = report.load_run(path, notes)
     kept, unreadable = logging_utils.read_metrics(path / "metrics.jsonl")
     assert run.rows == kept and len(unreadable) == 3
