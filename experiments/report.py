@@ -47,10 +47,10 @@ table. A value picked at the edge of its grid (the smallest or the largest tried
 optimum may lie outside the grid.
 
 The figure (``report.png`` and ``report.pdf``, written beside the runs: in the folder the ``DIR``
-arguments share, or beside ``--out``; ``--plot PATH`` writes it elsewhere, ``--no-plot`` skips
-it) has one row of panels per setting: test accuracy (or AUC) and training loss against rounds,
-and against the MB communicated so far (``comm_mb_round`` times the rounds run), each curve the
-mean over seeds with a band of ± 1 sample std.
+arguments share, or beside ``--out``; ``--plot PATH`` writes it elsewhere, an SVG for a ``PATH``
+ending in ``.svg``; ``--no-plot`` skips it) has one row of panels per setting: test accuracy (or
+AUC) and training loss against rounds, and against the MB communicated so far (``comm_mb_round``
+times the rounds run), each curve the mean over seeds with a band of ± 1 sample std.
 """
 
 from __future__ import annotations
@@ -772,15 +772,17 @@ def curves(group: Group, key: str | None = None) -> tuple[np.ndarray, np.ndarray
 
 
 def figure_paths(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """The PNG and the PDF of the figure named ``path`` (its suffix replaced)."""
+    """The PNG and the vector copy of the figure named ``path``: ``path`` itself when it ends in
+    ``.pdf`` or ``.svg``, else ``path`` with ``.pdf``."""
     path = pathlib.Path(path)
-    return path.with_suffix(".png"), path.with_suffix(".pdf")
+    vector = path if path.suffix in (".pdf", ".svg") else path.with_suffix(".pdf")
+    return path.with_suffix(".png"), vector
 
 
 def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """One row of panels per setting: the score and the training loss against rounds and
     against the MB communicated so far; per group the mean over its runs with a ± 1 std band.
-    Written as PNG and PDF (:func:`figure_paths`); returns their paths."""
+    Written as PNG and PDF or SVG (:func:`figure_paths`); returns their paths."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -828,10 +830,10 @@ def plot(groups: Sequence[Group], path: str | pathlib.Path) -> tuple[pathlib.Pat
         dataset, model, partition = setting
         panel.suptitle(f"{dataset}, {model}, {partition}")
         panel.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
-    png, pdf = figure_paths(path)
+    png, vector = figure_paths(path)
     fig.savefig(png, dpi=200)
-    fig.savefig(pdf)
-    return png, pdf
+    fig.savefig(vector)
+    return png, vector
 
 
 def _write(path: pathlib.Path, flag: str, write) -> None:
@@ -875,7 +877,7 @@ def report(
     Args:
       paths: run folders, or folders holding run folders.
       out: where to write the markdown (None: only returned).
-      plot_path: where to save the figure, as PNG and PDF (:func:`figure_paths`; None: no
+      plot_path: where to save the figure, as PNG and PDF or SVG (:func:`figure_paths`; None: no
         figure).
       select: the config key picked per method on the validation split
         (:func:`select_on_validation`; a section of the report when runs log validation
@@ -926,8 +928,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--plot",
         default=None,
-        help="save the figure here, as .png and .pdf (default: report.png and report.pdf in the "
-        "folder the DIRs share, or beside --out)",
+        help="save the figure here, as .png and .pdf (.svg when PATH ends in .svg; default: "
+        "report.png and report.pdf in the folder the DIRs share, or beside --out)",
     )
     parser.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     parser.add_argument(
@@ -946,9 +948,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     sys.stdout.write(text)
     if plot_path is not None:
-        png, pdf = figure_paths(plot_path)
+        png, vector = figure_paths(plot_path)
         print(
-            f"figure: {png} and {pdf} (--plot PATH writes it elsewhere, --no-plot skips it)",
+            f"figure: {png} and {vector} (--plot PATH writes it elsewhere, --no-plot skips it)",
             file=sys.stderr,
         )
 

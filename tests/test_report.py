@@ -233,6 +233,9 @@ def test_cli_plots_by_default_beside_the_runs_or_out(runs, tmp_path, monkeypatch
     report.main([str(runs / "soap"), "--out", str(out)])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.with_suffix(".pdf").exists()
+    report.main([str(runs / "soap"), "--plot", str(tmp_path / "figs" / "fig.svg")])
+    assert (tmp_path / "figs" / "fig.svg").read_text().lstrip().startswith("<?xml")
+    assert (tmp_path / "figs" / "fig.png").exists()
     (runs / "report.png").unlink()
     report.main([str(runs / "soap"), str(runs / "fedavg_s42"), "--no-plot"])
     assert not (runs / "report.png").exists()
