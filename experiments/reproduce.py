@@ -509,10 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         results = run_table(
             table, args.scale, workdir, seeds=seeds, rounds=args.rounds, methods=methods
         )
-    except train.WorkdirConflictError as e:
+    except train.WorkdirConflictError:
         print(
-            f"error: {workdir} holds runs of another setting of {table.key} ({e}); this command "
-            "does not change them: give it another --workdir to run the table anew.",
+            f"error: {workdir} holds runs of another setting of {table.key} (a config, preset or "
+            "Method.small of experiments/paper_tables.py changed since they ran); give this "
+            "command another --workdir to run the table anew (this one keeps those runs).",
             file=sys.stderr,
         )
         return 1

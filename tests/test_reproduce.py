@@ -284,3 +284,38 @@ def test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command(tmp
     assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
     assert "SIGTERM: stopped;" in err, err
     assert (workdir / "FedAvg").is_dir() and not (workdir / "table.md").exists()
+
+
+def test_a_workdir_of_another_setting_is_refused_in_one_line_keeping_its_runs(tmp_path, capsys):
+    workdir = tmp_path / "table"
+    column = reproduce._slug(reproduce._small_name(TABLES["fedpac:table1"].columns[0]))
+    sweep = workdir / "reduced_seeds=42,rounds=1" / "FedAvg" / column
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text('{"config": {}, "grid": {}}')
+    args = ["fedpac:table1", f"--workdir={workdir}", "--methods=FedAvg", "--seeds=42", "--rounds=1"]
+    assert reproduce.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {workdir / 'reduced_seeds=42,rounds=1'} holds runs of another")
+    assert "--overwrite" not in err and "another --workdir" in err
+    assert (sweep / "sweep.json").read_text() == '{"config": {}, "grid": {}}'
+    documented = err.replace(str(workdir / "reduced_seeds=42,rounds=1"), "$WORKDIR")
+    assert f"| {documented} |" in (REPO / "docs" / "ERRORS.md").read_text()
+    # A label the table lacks: refused before anything runs.
+    assert reproduce.main(["fedpac:table1", f"--workdir={workdir}", "--methods=FedAvg,Nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --methods: ['Nope'] not in fedpac:table1; valid: ['FedAvg',")
+    assert f"| {err} |" in (REPO / "docs" / "ERRORS.md").read_text()
+
+
+def test_no_message_suggests_an_overwrite():
+    """--overwrite discards a run, and experiments.reproduce has none: no message of the
+    commands or the library names it (each says which --workdir keeps the data)."""
+    import ast
+
+    found = []
+    for path in [*REPO.glob("experiments/**/*.py"), *REPO.glob("fedorth/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if "--overwrite" in node.value and not node.value.startswith("Discard"):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
