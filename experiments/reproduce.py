@@ -19,7 +19,7 @@ Out (in ``--workdir``, default ``runs/reproduce/PAPER_TABLE_SCALE``): every swee
 or best accuracy as the paper reports it, the paper's number beside; diverged replicas marked),
 ``table.csv`` and ``table.png`` (ours and the paper's in separate panels, each on its own
 axis). Under each column: whether the ordering of the methods agrees (Spearman's rank
-correlation with a bootstrap interval over the seeds, a warning when the seeds' spread is as
+correlation with a bootstrap interval over seeds, a warning when the spread over seeds is as
 large as the gaps between methods, and whether the best method is the same).
 
 ``--seeds``, ``--rounds`` reduce a run: it goes to its own folder
@@ -271,7 +271,7 @@ def _caption(table: Table, scale: str, rounds, seeds, labels: list[str]) -> list
             if table.reported == "best"
             else " (at the last round)"
         )
-        + f", as the paper reports it ({table.reported_why}). Ours: the mean over the seeds, "
+        + f", as the paper reports it ({table.reported_why}). Ours: the mean over seeds, "
         "± the standard deviation between them (n − 1) where there are two or more, no spread "
         "for one; the paper's number in brackets"
         + ("" if table.published else " (none: the paper shows this comparison as curves only)")
@@ -360,8 +360,8 @@ def render(
 
 
 def _ordering(table, columns, names, labels, values_by) -> list[str]:
-    """Under each column: Spearman's rho (bootstrap interval over the seeds), the best method,
-    and a warning when the seeds' spread is as large as the gaps between the methods."""
+    """Under each column: Spearman's rho (bootstrap interval over seeds), the best method,
+    and a warning when the spread over seeds is as large as the gaps between the methods."""
     if not table.published:
         return []
     lines = ["", "Ordering of the methods, ours against the paper's:", ""]
@@ -379,7 +379,7 @@ def _ordering(table, columns, names, labels, values_by) -> list[str]:
             spread = "no interval: one seed per method, so nothing says how sure the order is"
         else:
             spread = (
-                f"95% bootstrap interval [{interval[0]:.2f}, {interval[1]:.2f}] over the seeds "
+                f"95% bootstrap interval [{interval[0]:.2f}, {interval[1]:.2f}] over seeds "
                 f"({_BOOTSTRAP} resamples of each method's seeds; few seeds understate it)"
             )
         best_ours = ranked[int(np.argmax(ours))]
@@ -393,7 +393,7 @@ def _ordering(table, columns, names, labels, values_by) -> list[str]:
         gaps = np.diff(np.sort(ours))
         if stds and max(stds) >= float(np.median(gaps)):
             lines.append(
-                f"  Warning: the seeds' standard deviation reaches {max(stds):.2f} points "
+                f"  Warning: the standard deviation over seeds reaches {max(stds):.2f} points "
                 f"(median {np.median(stds):.2f}) while the median gap between methods of "
                 f"neighbouring rank is {np.median(gaps):.2f} points: these seeds do not settle "
                 "the order; run more (--seeds) before reading it."

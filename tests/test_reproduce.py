@@ -156,7 +156,7 @@ def test_spread_interval_and_warning():
     assert "no interval: one seed per method" in text and {r[5] for r in rows[1:]} == {""}
     # Two seeds, spread well below the gaps (5 points): an interval, no warning.
     text, _ = reproduce.render(table, "small", _results(table, 1.0))
-    # (resampling the seeds never changes the order: the interval is the point)
+    # (resampling seeds never changes the order: the interval is the point)
     rhos = re.findall(
         r"correlation (\S+) over 10 methods, 95% bootstrap interval \[(\S+), (\S+)\]", text
     )
@@ -164,7 +164,7 @@ def test_spread_interval_and_warning():
     assert "Warning" not in text
     # Spread as large as the gaps: the ordering is flagged.
     text, _ = reproduce.render(table, "small", _results(table, 12.0))
-    assert text.count("Warning: the seeds' standard deviation reaches 8.49 points") == 2
+    assert text.count("Warning: the standard deviation over seeds reaches 8.49 points") == 2
 
 
 def test_diverged_replicas_are_marked_not_tabulated():
