@@ -27,7 +27,7 @@ def test_every_method_has_every_column_preset(key):
     for method in table.methods:
         module = importlib.import_module(f"configs.{method.config}")
         for column in table.columns:
-            config = module.get_config(column.preset)
+            config = module.get_config(column.preset + method.preset_suffix)
             assert config.fed.rounds > 0, (method.config, column.preset)
     if table.published is not None:
         assert set(table.published) == {m.label for m in table.methods}
@@ -223,9 +223,10 @@ class _Command:
         for line in self.process.stderr:
             self.lines.append(line)
 
-    def wait_for(self, text: str, timeout: float = 300):
+    def wait_for(self, path: pathlib.Path, timeout: float = 300):
+        """Until ``path`` exists (the process still running)."""
         deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
+        while not path.exists():
             assert self.process.poll() is None, "".join(self.lines)
             assert time.monotonic() < deadline, "".join(self.lines)
             time.sleep(0.05)
@@ -245,8 +246,9 @@ def test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command(tmp
     workdir, cache = tmp_path / "table", tmp_path / "compilation_cache"
     reduced = ["fedpac:table1", "--scale=small", f"--workdir={workdir}",
                "--methods=FedAvg,SCAFFOLD", "--seeds=42,43", "--rounds=3"]  # fmt: skip
+    column = reproduce._slug(reproduce._small_name(TABLES["fedpac:table1"].columns[0]))
     run = _Command(reduced, cache)
-    run.wait_for("Sweep of 2 replicas x 3 rounds")
+    run.wait_for(workdir / "reduced_rounds=3" / "FedAvg" / column / "seed=42" / "metrics.jsonl")
     run.process.send_signal(signal.SIGINT)
     code, _, err = run.finish()
     assert code == 130 and "Traceback" not in err, err
@@ -278,7 +280,7 @@ def test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command(tmp
 
     full = _Command(["fedpac:table1", "--scale=small", f"--workdir={workdir}",
                      "--methods=FedAvg"], cache)  # fmt: skip
-    full.wait_for("Sweep of 2 replicas x 30 rounds")
+    full.wait_for(workdir / "FedAvg" / column / "seed=42" / "metrics.jsonl")
     full.process.send_signal(signal.SIGTERM)
     code, _, err = full.finish()
     assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
