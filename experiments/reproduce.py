@@ -422,24 +422,34 @@ def figure(table: Table, scale: str, csv_rows: list[list[str]]):
         ours = [float(r[4]) for r in mine]
         spread = [float(r[5] or 0.0) for r in mine]
         ax = row_axes[0]
-        ax.bar(x, ours, 0.6, yerr=spread, color="C0", capsize=3)
+        _ranked_bars(ax, x, ours, spread, "C0")
         ax.set_ylabel(f"ours: {table.reported} {unit}")
-        ax.set_title(f"ours, {scale} scale: {column}", fontsize="small")
+        ax.set_title(f"ours ({scale} scale): {column}", fontsize="small")
         ax.set_xticks(x, [r[0] for r in mine], rotation=60, ha="right", fontsize="small")
         if table.published:
             ax = row_axes[1]
-            ax.bar(x, [float(r[8] or "nan") for r in mine], 0.6, color="C1")
+            _ranked_bars(ax, x, [float(r[8] or "nan") for r in mine], None, "C1")
             ax.set_ylabel(f"paper: {unit}")
             ax.set_title(f"paper: {mine[0][2]}", fontsize="small")
             ax.set_xticks(x, [r[0] for r in mine], rotation=60, ha="right", fontsize="small")
-    note = "error bars: std over seeds" + (
-        "; the two panels have separate axes: compare orderings, not heights"
+    note = "error bars: std over seeds; above each bar its rank in the panel (1: best)" + (
+        "\nthe two panels have separate axes (other data, model and length): compare the ranks"
         if table.published
         else ""
     )
     fig.suptitle(f"{table.paper}: {table.key} ({scale} scale)\n{note}", fontsize="medium")
     fig.tight_layout()
     return fig
+
+
+def _ranked_bars(ax, x, values, spread, color) -> None:
+    ax.bar(x, values, 0.6, yerr=spread, color=color, capsize=3)
+    finite = [v for v in values if math.isfinite(v)]
+    for i, (position, value) in enumerate(zip(x, values, strict=True)):
+        if math.isfinite(value):
+            rank = 1 + sum(v > value for v in finite)
+            top = value + (spread[i] if spread is not None else 0.0)  # above the error bar
+            ax.annotate(str(rank), (position, top), ha="center", va="bottom", fontsize="small")
 
 
 def plot(table: Table, scale: str, csv_rows: list[list[str]], path: pathlib.Path) -> None:

@@ -195,7 +195,12 @@ def test_figure_draws_ours_and_the_papers_on_separate_axes():
     assert labels == ["ours: final test accuracy (%)", "paper: test accuracy (%)"] * 2
     for ours, paper in zip(fig.axes[::2], fig.axes[1::2], strict=True):
         assert len(ours.patches) == len(paper.patches) == len(table.methods)
-        assert ours.get_title().startswith("ours, small scale") and "CIFAR-100" in paper.get_title()
+        assert (
+            ours.get_title().startswith("ours (small scale)") and "CIFAR-100" in paper.get_title()
+        )
+        # each bar labelled with its rank in its panel: 1 over the best
+        ranks = [int(text.get_text()) for text in paper.texts]
+        assert sorted(ranks) == list(range(1, len(table.methods) + 1))
 
 
 class _Command:
