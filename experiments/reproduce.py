@@ -464,7 +464,8 @@ def listing() -> str:
     lines = []
     for table in TABLES.values():
         numbers = "published numbers" if table.published else "curves only in the paper"
-        lines.append(f"{table.key}: {table.paper} ({numbers}; {table.reported} accuracy)")
+        metric = "AUC" if table.metric == "test_auc" else "accuracy"
+        lines.append(f"{table.key}: {table.paper} ({numbers}; {table.reported} test {metric})")
         lines.append(f"    methods: {', '.join(m.label for m in table.methods)}")
         lines.append(f"    columns: {'; '.join(c.name for c in table.columns)}")
     return "\n".join(lines)
