@@ -114,7 +114,7 @@ def run_folder(
     reduced = []
     if seeds and list(seeds) != default:
         reduced.append("seeds=" + ",".join(str(s) for s in seeds))
-    if rounds:
+    if rounds and not (scale == "small" and rounds == table.small_rounds):
         reduced.append(f"rounds={rounds}")
     return workdir / ("reduced_" + ",".join(reduced)) if reduced else workdir
 

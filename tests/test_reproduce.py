@@ -293,6 +293,14 @@ def test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command(tmp
     assert (workdir / "FedAvg").is_dir() and not (workdir / "table.md").exists()
 
 
+def test_only_a_reduced_run_gets_its_own_folder(tmp_path):
+    table = TABLES["fedpac:table1"]
+    assert reproduce.run_folder(table, "small", tmp_path, [42, 43], 30) == tmp_path
+    assert reproduce.run_folder(table, "small", tmp_path, [42], None).name == "reduced_seeds=42"
+    paper = reproduce.run_folder(table, "paper", tmp_path, None, 30)
+    assert paper.name == "reduced_rounds=30"
+
+
 def test_a_workdir_of_another_setting_is_refused_in_one_line_keeping_its_runs(tmp_path, capsys):
     workdir = tmp_path / "table"
     column = reproduce._slug(reproduce._small_name(TABLES["fedpac:table1"].columns[0]))
