@@ -520,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         results = run_table(
             table, args.scale, workdir, seeds=seeds, rounds=args.rounds, methods=methods
         )
+        _write(
+            table,
+            args.scale,
+            workdir,
+            render(table, args.scale, results, seeds=seeds, rounds=args.rounds),
+        )
     except train.WorkdirConflictError:
         print(
             f"error: {workdir} holds runs of another setting of {table.key} (a config, preset or "
@@ -542,15 +548,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signum
-    text, csv_rows = render(table, args.scale, results, seeds=seeds, rounds=args.rounds)
+    return 0
+
+
+def _write(table: Table, scale: str, workdir: pathlib.Path, rendered) -> None:
+    """table.md, table.csv, table.png in ``workdir``; the table on stdout."""
+    text, csv_rows = rendered
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "table.md").write_text(text)
     with (workdir / "table.csv").open("w", newline="") as f:
         csv.writer(f).writerows(csv_rows)
-    plot(table, args.scale, csv_rows, workdir / "table.png")
+    plot(table, scale, csv_rows, workdir / "table.png")
     sys.stdout.write(text)
     print(f"table: {workdir / 'table.md'}, {workdir / 'table.csv'}, {workdir / 'table.png'}")
-    return 0
 
 
 if __name__ == "__main__":
