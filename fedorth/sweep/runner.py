@@ -56,7 +56,7 @@ def _prepare(workdir: pathlib.Path, config, grid: Grid, names: list[str], overwr
         if not overwrite:
             raise loop.WorkdirConflictError(
                 f"{workdir} holds another sweep (its {SWEEP_FILE} differs: another config or "
-                "grid). Use another --workdir, or pass --overwrite to discard that sweep."
+                "grid). Use another --workdir (this one keeps that sweep)."
             )
     if overwrite and path.exists() and path.read_text() != identity:
         for child in workdir.iterdir():

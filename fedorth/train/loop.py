@@ -261,8 +261,8 @@ def _prepare_workdir(
                     f"{workdir} holds a run with another fed.rounds ({said}{diff[0]}), and "
                     f"optim.schedule={schedule!r} decays over fed.rounds: its rounds so far "
                     "followed the schedule of the old length, so continuing would match neither "
-                    "run. Use another --workdir, or pass --overwrite to discard that run (a "
-                    f"constant or 'step' schedule can be extended: {ROUNDS_FREE_SCHEDULES})."
+                    "run. Use another --workdir (this one keeps that run; a constant or 'step' "
+                    f"schedule can be extended: {ROUNDS_FREE_SCHEDULES})."
                 )
             _write_atomic(path, config_json)
             return
@@ -270,7 +270,7 @@ def _prepare_workdir(
             shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
             raise WorkdirConflictError(
                 f"{workdir} holds a run of a different config ({said}{shown}). Use another "
-                "--workdir, or pass --overwrite to discard that run."
+                "--workdir (this one keeps that run)."
             )
         if diff:
             for name in (
@@ -360,8 +360,8 @@ def _check_finite(
     )
     raise DivergenceError(
         f"Diverged at round {round_index}: {quantity}. Nothing of round {round_index} was "
-        f"written or saved; {kept}. Lower optim.learning_rate or add clipping, and start a "
-        "new --workdir (or pass --overwrite)."
+        f"written or saved; {kept}. Lower optim.learning_rate or add clipping, and use a new "
+        "--workdir (this one keeps the rounds before the divergence)."
     )
 
 
