@@ -37,7 +37,6 @@ import errno
 import json
 import logging
 import math
-import os
 import pathlib
 import platform
 import re
@@ -63,7 +62,7 @@ from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
 from fedorth.train.logging_utils import MetricsWriter, Progress
 from fedorth.train.validate import ConfigError, validate
-from fedorth.train.workdir import WorkdirError, WorkdirLockedError
+from fedorth.train.workdir import DiskFullError, WorkdirError, WorkdirLockedError
 
 
 class DivergenceError(FloatingPointError):
@@ -82,10 +81,6 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, message: str, signum: int | None = None):
         super().__init__(message)
         self.signum = signum
-
-
-class DiskFullError(OSError):
-    """A file of the run could not be written: no space left on its file system."""
 
 
 ROUNDS_FREE_SCHEDULES = ("constant", "step")
@@ -176,14 +171,7 @@ def _git_dirty() -> bool | None:
     return bool(out.stdout.strip())
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` so a kill at any point leaves the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+_write_atomic = workdir_lib.write_atomic  # never through a symbolic link
 
 
 def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -396,6 +384,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     # Several processes (jax.distributed) share the checkpoints; process 0 writes the run's files
     # in workdir and process i > 0 its own copy in workdir/process_i (writers of one file race).
     files = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
+    workdir_lib.refuse_links(files)  # a received folder's links are data, not places to write
     with _disk_space(files / "config.json", None, None):
         _prepare_workdir(config, files, overwrite)
     writer = MetricsWriter(files)  # refuses a file in the place of tensorboard/ at once
