@@ -101,7 +101,7 @@ def _terminate(signum, frame):
 def main(argv):
     from fedorth import train
     from fedorth.train.checkpoint import drop_abandoned_io_reports
-    from fedorth.train.logging_utils import ClosedOutputSafe
+    from fedorth.train.logging_utils import ClosedOutputSafe, exit_now
 
     drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
     # A reader that goes away (`... | head`) must not stop the run: its files are its result.
@@ -134,7 +134,12 @@ def main(argv):
         for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
             signal.signal(signum, signal.SIG_IGN)
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
-        sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
+        code = 128 + (getattr(e, "signum", None) or signal.SIGINT)
+        if distributed:  # every process stopped at the same round, or this one at once
+            multiprocess.leave(code, together=not getattr(e, "at_once", True))
+        # The run's files are closed and its lock released: the interpreter's teardown, where a
+        # compilation or save cut short still runs in its threads, is skipped.
+        exit_now(code)
     except Exception:
         if distributed:  # a collective failed because a process died: one line naming it
             multiprocess.exit_if_peers_lost()

@@ -272,6 +272,19 @@ class ClosedOutputSafe:
         return getattr(self._stream, name)
 
 
+def exit_now(code: int) -> None:
+    """Flushes ``sys.stdout`` and ``sys.stderr`` and ends the process with ``code``, skipping
+    the interpreter's teardown: after a Ctrl-C, a compilation or a save it cut short may still
+    run in a thread, and tearing the interpreter down under it can crash (or print a thread's
+    traceback after the one-line message)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def format_duration(seconds: float) -> str:
     """``h:mm:ss`` (or ``m:ss`` under an hour) of a non-negative number of seconds."""
     seconds = max(int(round(seconds)), 0)
