@@ -24,6 +24,7 @@ larger ``--config.fed.rounds`` it extends a finished run.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -62,9 +63,17 @@ _DRY_RUN = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _interrupted_at_start(signum, frame):
+    """Ctrl-C while the command starts (JAX's import, the config): nothing is written yet, so it
+    ends at once, in one line, without a traceback of the import it cut."""
+    os.write(2, b"\ninterrupted\n")
+    os._exit(128 + signum)
+
+
 def flags_parser(argv: list[str]) -> list[str]:
     """Resolves ``--config``, answers ``--list`` and ``--dry_run``, then parses the flags
     (one-line errors)."""
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # until main() starts the run
     if "--list" in argv:
         print(catalog.listing(config_dir()))
         sys.exit(0)
@@ -107,6 +116,7 @@ def main(argv):
     # A reader that goes away (`... | head`) must not stop the run: its files are its result.
     sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the run's own handling from here
 
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")

@@ -372,6 +372,14 @@ def test_sigterm_and_ctrl_c_stop_every_process_at_one_saved_round(tmp_path, xla_
             assert found[0][1] == str(workdir if i == 0 else workdir / "process_1")
             rounds.append(int(found[0][0]))
         assert rounds[0] == rounds[1], f"{how}: the processes stopped at rounds {rounds}"
+        if how == "SIGTERM":  # docs/ERRORS.md's row, with the round and the folder as placeholders
+            line = next(x for x in results[0][1].splitlines() if x.startswith("interrupted"))
+            line = line.replace(str(workdir), "$WORKDIR").replace(str(rounds[0]), "$ROUND")
+            row = (
+                "| `--distributed`, 2 processes: SIGTERM to process 1 (both processes; exit code "
+                f"143) | {line} |"
+            )
+            assert row in (ROOT / "docs" / "ERRORS.md").read_text(), row
         steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*"))
         assert steps[-1] == rounds[0], f"{how}: round {rounds[0]} is saved ({steps})"
         metrics = [json.loads(line)["round"] for line in (workdir / "metrics.jsonl").open()]
