@@ -87,7 +87,10 @@ def fedavgm(
     optim: Mapping[str, Any], *, server_lr: float = 1.0, server_momentum: float = 0.9
 ) -> FedAlgorithm:
     """FedAvgM: FedAvg with server momentum (Hsu et al. 2019; Reddi et al. 2021)."""
-    return fedavg(optim, name="fedavgm", server_lr=server_lr, server_momentum=server_momentum)
+    return dataclasses.replace(
+        fedavg(optim, name="fedavgm", server_lr=server_lr, server_momentum=server_momentum),
+        paper="Hsu et al. 2019 (FedAvgM); Reddi et al. 2021, Alg. 2 with server SGD momentum",
+    )
 
 
 def reddi_adam(lr: float, b1: float, b2: float, tau: float) -> optax.GradientTransformation:
