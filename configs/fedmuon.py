@@ -18,7 +18,7 @@ Presets (configs/presets.py):
   Nesterov, no EMA), ``UV^T`` with no shape factor, Jordan's quintic Newton-Schulz (Sec. 3:
   "five Newton-Schulz iterations"), weight decay 0.01, lr 3e-2 (ResNet-18) / 2e-2 (ViT-Tiny) --
   its list "3e-2, 2e-2, 3e-3" read in the order of its models (3e-3: the fine-tuned
-  transformers) --, and AdamW at 3e-4 with (0.9, 0.999) for biases and norms, as for Local
+  transformers) --, and AdamW at 3e-4 with (0.9, 0.95) for biases and norms, as for Local
   Muon (``presets.muon_fallback``);
 * ``..._exactsvd``: the same with Alg. 2 line 8's exact SVD instead of Newton-Schulz;
 * ``fedmuon_liu_fig4_cifar100_vit_dir0.1``: Fig. 4's condition numbers logged;

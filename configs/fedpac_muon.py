@@ -20,7 +20,8 @@ weight decay 0.01): ``cifar100_resnet18``, ``cifar100_vit``, ``tiny_imagenet_res
 Nesterov), Alg. 6 line 29's quintic coefficients (Alg. 7 line 24 writes the cubic
 ``X (3I - A) / 2``: an inconsistency of the paper, resolved for both methods alike), the
 "optional" gamma(m, n) of line 9 left out (``shape_scaling="sqrt_ratio"`` gives its
-sqrt(m/n)), and AdamW at Table 8's AdamW rate 3e-4 with (0.9, 0.999) for biases and norms.
+sqrt(m/n)), and AdamW at Table 8's AdamW rate 3e-4 with the Muon row's (0.9, 0.95) for biases
+and norms.
 
 Fine-tuning (docs/FINETUNING.md): FedPAC (Liu et al.) Table 2 ``vit_base_{cifar100,tiny_imagenet}``,
 Table 9's FedPAC_Muon row (lr 1e-2, beta 0.5, beta1 0.9, wd 0.01), AdamW at Table 9's 1e-4 for

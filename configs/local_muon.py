@@ -34,7 +34,8 @@ method it is compared with):
   two seeds chose 0.1 and 0.01, we take the first) and 0.01 (CIFAR-10).
 
 Non-matrix leaves in the FedPAC and FedMuon (Liu et al.) presets: AdamW at the paper's AdamW
-rate 3e-4 with (0.9, 0.999) (``presets.muon_fallback``), the rule of every Muon-based method.
+rate 3e-4 with FedPAC Table 8's Muon (beta1, beta2) = (0.9, 0.95) (``presets.muon_fallback``), the
+rule of every Muon-based method.
 
 Fine-tuning (docs/FINETUNING.md): FedMuon (Liu et al.) Table 3 ``swin_t_{cifar100,tiny_imagenet}``
 and Table 4 ``roberta_lora_{cola,rte,sst2,qqp,mrpc,qnli,mnli}`` with FedMuon's Muon at lr 3e-3 (Sec.

@@ -24,6 +24,7 @@ larger ``--config.fed.rounds`` it extends a finished run.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -62,9 +63,17 @@ _DRY_RUN = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _interrupted_at_start(signum, frame):
+    """Ctrl-C while the command starts (JAX's import, the config): nothing is written yet, so it
+    ends at once, in one line, without a traceback of the import it cut."""
+    os.write(2, b"\ninterrupted\n")
+    os._exit(128 + signum)
+
+
 def flags_parser(argv: list[str]) -> list[str]:
     """Resolves ``--config``, answers ``--list`` and ``--dry_run``, then parses the flags
     (one-line errors)."""
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # until main() starts the run
     if "--list" in argv:
         print(catalog.listing(config_dir()))
         sys.exit(0)
@@ -101,12 +110,13 @@ def _terminate(signum, frame):
 def main(argv):
     from fedorth import train
     from fedorth.train.checkpoint import drop_abandoned_io_reports
-    from fedorth.train.logging_utils import ClosedOutputSafe
+    from fedorth.train.logging_utils import ClosedOutputSafe, exit_now
 
     drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
     # A reader that goes away (`... | head`) must not stop the run: its files are its result.
     sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the run's own handling from here
 
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -134,7 +144,12 @@ def main(argv):
         for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
             signal.signal(signum, signal.SIG_IGN)
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
-        sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
+        code = 128 + (getattr(e, "signum", None) or signal.SIGINT)
+        if distributed:  # every process stopped at the same round, or this one at once
+            multiprocess.leave(code, together=not getattr(e, "at_once", True))
+        # The run's files are closed and its lock released: the interpreter's teardown, where a
+        # compilation or save cut short still runs in its threads, is skipped.
+        exit_now(code)
     except Exception:
         if distributed:  # a collective failed because a process died: one line naming it
             multiprocess.exit_if_peers_lost()

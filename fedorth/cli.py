@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 import types
@@ -49,6 +50,12 @@ commands:
 `fedorth COMMAND --help` lists a command's flags. `fedorth run` takes the arguments of
 `python -m experiments.main` (README.md, "Running experiments").
 """
+
+
+LIST_HELP = (
+    "Prints the algorithms, the configs and their presets (by paper and table), the models, "
+    "datasets and optimizers, each with its paper. Takes no arguments."
+)
 
 
 def shipped_package(name: str) -> types.ModuleType:
@@ -88,11 +95,36 @@ def _error(message: str, code: int = 2) -> int:
     return code
 
 
+_HELP = ("-h", "--help", "--helpshort", "-?")
+
+
+def _flags_help(usage: str, module: types.ModuleType) -> int:
+    """``fedorth COMMAND --help``: the command's usage and the flags its module defines (absl's
+    own ``--help`` lists the flags of the program's main module, which here is this one)."""
+    from absl import flags
+
+    try:
+        print(f"usage: {usage}\n{flags.FLAGS.module_help(module)}")
+        print("\nThe flags of absl (verbosity, logging) are listed by --helpfull.", flush=True)
+    except BrokenPipeError:  # `... --help | head`: the rest goes nowhere, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+RUN_USAGE = "fedorth run --config=NAME[:PRESET] --workdir=DIR [--config.KEY=VALUE ...]"
+SWEEP_USAGE = (
+    "fedorth sweep --config=NAME[:PRESET] --workdir=DIR --sweep.KEY=V1,V2,... "
+    "[--config.KEY=VALUE ...]"
+)
+
+
 def _run(argv: Sequence[str]) -> int:
     from absl import app
 
     from experiments import main as run_main
 
+    if any(a in _HELP for a in argv):
+        return _flags_help(RUN_USAGE, run_main)
     sys.argv = ["fedorth run", *argv]
     app.run(run_main.main, flags_parser=run_main.flags_parser)  # exits
     return 0
@@ -152,6 +184,9 @@ def print_config(name: str, overrides_argv: Sequence[str]) -> int:
 
 
 def _list(argv: Sequence[str]) -> int:
+    if list(argv) in (["-h"], ["--help"]):
+        print("usage: fedorth list\n\n" + LIST_HELP)
+        return 0
     if argv:
         return _error(f"fedorth list takes no arguments, got {list(argv)}")
     from experiments import catalog
@@ -178,6 +213,8 @@ def _sweep(argv: Sequence[str]) -> int:
 
     from experiments import sweep
 
+    if any(a in _HELP for a in argv):
+        return _flags_help(SWEEP_USAGE, sweep)
     sys.argv = ["fedorth sweep", *argv]
     app.run(sweep.main, flags_parser=sweep.flags_parser)  # exits
     return 0

@@ -33,9 +33,11 @@ from fedorth.train import validate
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def main(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+def main(
+    cwd: pathlib.Path, *args: str, module: str = "experiments.main"
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "experiments.main", *args]
+    command = [sys.executable, "-m", module, *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -465,3 +467,79 @@ def test_optimizer_switch_on_the_command_line(tmp_path):
         tmp_path, "--config=fedavg", f"--workdir={tmp_path / 'w'}", "--config.optim.name=lmo"
     )
     assert out.returncode == 2 and out.stderr.splitlines() == [f"error: {LMO_REFUSED}"], out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Help, the "Finished" line, the papers credited.
+
+
+def command(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """The ``fedorth`` command of this checkout (``fedorth.cli``, what the console script
+    runs), in a real process."""
+    return main(cwd, *args, module="fedorth.cli")
+
+
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("run", ["--config", "--workdir", "--overwrite", "--distributed", "--dry_run", "--list"]),
+        ("sweep", ["--config", "--workdir", "--overwrite", "--replica_chunk_size"]),
+    ],
+)
+def test_run_and_sweep_help_list_their_flags(tmp_path, name, flags):
+    for option in ("--help", "-h"):
+        out = command(tmp_path, name, option)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"usage: fedorth {name} --config=NAME[:PRESET]"), out.stdout
+        for flag in flags:
+            assert f"  {flag}:" in out.stdout or f"  --[no]{flag[2:]}:" in out.stdout, flag
+        assert not list(tmp_path.iterdir()), "help writes nothing"
+
+
+def test_list_help_says_what_list_prints(tmp_path):
+    out = command(tmp_path, "list", "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: fedorth list\n"), out.stdout
+    assert "Takes no arguments." in out.stdout
+    out = command(tmp_path, "list", "extra")
+    assert out.returncode == 2 and out.stderr.startswith("error: fedorth list takes no arguments")
+
+
+def test_finished_line_gives_every_path_as_the_workdir_was_typed(tmp_path):
+    out = main(
+        tmp_path,
+        "--config=fedavg",
+        "--config.data.num_clients=4",
+        "--config.fed.clients_per_round=2",
+        "--config.fed.local_steps=1",
+        "--config.model.hidden_sizes=8,",
+        "--config.fed.rounds=1",
+        "--workdir=runs/tiny",
+    )
+    assert out.returncode == 0, out.stderr
+    finished = [line for line in out.stderr.splitlines() if line.startswith("Finished round 1")]
+    assert len(finished) == 1, out.stderr
+    paths = re.findall(r"(?:in|checkpoint) (\S+?)[,.]?(?=,|\.$| )", finished[0])
+    assert paths == [
+        "runs/tiny/metrics.jsonl",
+        "runs/tiny/curves.png",
+        "runs/tiny/tensorboard",
+        "runs/tiny/checkpoints/1",
+    ], finished[0]
+
+
+def test_list_credits_each_algorithm_to_the_paper_its_config_cites():
+    """The ``--list`` line of an algorithm is its ``paper`` (one place); the config of that
+    algorithm cites the same authors and year in its docstring's first line."""
+    text = catalog.listing(catalog.config_dir())
+    algorithms = text.split("\nConfigs (")[0]
+    for config in catalog.configs(catalog.config_dir()):
+        cited = re.search(r"([A-Z][A-Za-z-]+ (?:et al\.|& [A-Z][a-z]+) \d{4})", config["about"])
+        if cited is None:
+            continue
+        block = re.search(rf"\n  {config['algorithm']} +(.+(?:\n {{25}}.+)*)", algorithms)
+        assert block, config["algorithm"]
+        credit = " ".join(block.group(1).split())
+        assert cited.group(1) in credit, (config["name"], cited.group(1), credit)
+    fedavgm = fed.get_algorithm("fedavgm", {"name": "sgd"}).paper
+    assert fedavgm.startswith("Hsu et al. 2019") and "McMahan" not in fedavgm, fedavgm

@@ -249,3 +249,13 @@ def test_dirichlet_hsu_class_mix_follows_dir_alpha_over_classes(alpha):
     assert abs(x.var() - var) < 4 * se_var, (x.var(), var)
     assert P.PARTITIONERS["dirichlet_hsu"] is P.dirichlet_client_mix
     assert P.PARTITIONERS["dirichlet"] is P.dirichlet_label_split
+
+
+def test_dirichlet_hsu_docstrings_state_alpha_per_class_not_hsus_total():
+    """The law above is ``Dir(alpha 1_C)``: alpha per class. Hsu et al.'s ``Dir(alpha' p)``
+    (p the uniform prior) is the same law only for ``alpha' = C alpha``; the docstrings say
+    which alpha the code takes, and do not equate ``Dir(alpha p)`` with ``Dir(alpha 1_C)``."""
+    for doc in (P.__doc__, P.dirichlet_client_mix.__doc__):
+        text = " ".join(doc.split())
+        assert "α' = C·α" in text or "Hsu's ``α' / C``" in text, text[:300]
+        assert "we draw q ~ Dir(αp)" not in text

@@ -10,6 +10,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -313,3 +314,73 @@ def test_process_i_writes_its_files_apart_and_shares_the_checkpoints(tmp_path, m
         assert (own / name).is_file(), name
     assert [json.loads(line)["round"] for line in (own / "metrics.jsonl").open()] == [1]
     assert (tmp_path / "checkpoints" / "1").is_dir()
+
+
+def _wait_for_line(log: pathlib.Path, text: str, processes, deadline: float) -> None:
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        assert all(p.poll() is None for p in processes), log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _stopped(processes, tmp_path, how: str) -> list[tuple[int, str]]:
+    """Each process's exit code and output after the signal(s), within 60 s."""
+    start = time.monotonic()
+    for p in processes:
+        p.wait(timeout=60)
+    assert time.monotonic() - start < 30, f"{how}: the processes took too long to stop"
+    return [
+        (p.returncode, (tmp_path / f"process_{i}.log").read_text()) for i, p in enumerate(processes)
+    ]
+
+
+@pytest.mark.slow
+def test_sigterm_and_ctrl_c_stop_every_process_at_one_saved_round(tmp_path, xla_cache):
+    """SIGTERM to process 1 alone (a scheduler's notice): both processes save the same round and
+    stop with its message and exit code 143. The same command resumes from it; Ctrl-C in both
+    (a terminal's): both save the round and stop, exit code 130. No traceback, no C++ stack."""
+    workdir = tmp_path / "run"
+    for how, victims, signum in (
+        ("SIGTERM", [1], signal.SIGTERM),
+        ("SIGINT", [0, 1], signal.SIGINT),
+    ):
+        before = sorted(int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*"))
+        processes = _distributed(workdir, 10_000, tmp_path, xla_cache)
+        try:
+            deadline = time.monotonic() + 240
+            for i in range(2):
+                _wait_for_line(tmp_path / f"process_{i}.log", "round 2", processes, deadline)
+            if before:  # the second run resumed from the first one's stop
+                log = (tmp_path / "process_0.log").read_text()
+                assert f"Resumed from round {before[-1]} in {workdir}." in log, log[-3000:]
+            for i in victims:
+                os.kill(processes[i].pid, signum)
+            results = _stopped(processes, tmp_path, how)
+        finally:
+            _stop(processes)
+        rounds = []
+        for i, (code, output) in enumerate(results):
+            assert code == 128 + signum, output[-3000:]
+            for unwanted in ("Traceback", "Check failure", "stopped (killed, crashed"):
+                assert unwanted not in output, output[-3000:]
+            found = re.findall(
+                rf"interrupted \({how}\) at round (\d+); the same command resumes "
+                rf"from round \1 \((\S+)\)\.",
+                output,
+            )
+            assert len(found) == 1, output[-3000:]
+            assert found[0][1] == str(workdir if i == 0 else workdir / "process_1")
+            rounds.append(int(found[0][0]))
+        assert rounds[0] == rounds[1], f"{how}: the processes stopped at rounds {rounds}"
+        if how == "SIGTERM":  # docs/ERRORS.md's row, with the round and the folder as placeholders
+            line = next(x for x in results[0][1].splitlines() if x.startswith("interrupted"))
+            line = line.replace(str(workdir), "$WORKDIR").replace(str(rounds[0]), "$ROUND")
+            row = (
+                "| `--distributed`, 2 processes: SIGTERM to process 1 (both processes; exit code "
+                f"143) | {line} |"
+            )
+            assert row in (ROOT / "docs" / "ERRORS.md").read_text(), row
+        steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*"))
+        assert steps[-1] == rounds[0], f"{how}: round {rounds[0]} is saved ({steps})"
+        metrics = [json.loads(line)["round"] for line in (workdir / "metrics.jsonl").open()]
+        assert metrics == list(range(rounds[0] + 1)), metrics

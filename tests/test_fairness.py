@@ -229,8 +229,8 @@ def test_fedpac_muon_methods_run_alg6_alg7_alike(preset):
     Alg. 6 line 7 / Alg. 7 line 6: ``M <- beta1 M + (1 - beta1) G`` (an EMA, no Nesterov),
     beta1 = 0.9 (Table 8); Alg. 6 line 29: Jordan's quintic coefficients (3.4445, -4.7750,
     2.0315), s = 5; the shape scaling gamma is "optional" (Alg. 7 line 9): none. Biases and
-    norms: AdamW at Table 8's AdamW rate 3e-4 with (0.9, 0.999) -- the rule of
-    configs/presets.py, for every Muon-based method.
+    norms: AdamW at Table 8's AdamW rate 3e-4 with the Muon rows' (beta1, beta2) = (0.9, 0.95)
+    -- the rule of configs/presets.py, for every Muon-based method.
     """
     configs = {m: load(m).get_config(preset) for m in FEDPAC_MUON}
     adamw = load("local_adamw").get_config(preset).optim
@@ -248,7 +248,7 @@ def test_fedpac_muon_methods_run_alg6_alg7_alike(preset):
             f"{method}: fallback lr {rule['learning_rate']} is not the AdamW rate "
             f"{adamw.learning_rate} (Table 8)"
         )
-        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.999, 1e-8), method
+        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.95, 1e-8), method
         assert config.optim.learning_rate == 3e-2 and config.optim.weight_decay == 0.01, method
     assert_same(
         f"{preset} orthogonalization", {m: orthogonalization(c) for m, c in configs.items()}
@@ -327,7 +327,7 @@ def test_local_muon_preset_runs_alg6_and_adamw_at_the_adamw_rate_on_biases(x64):
 
     Float64 NumPy, 4 rounds of 3 of 5 clients, K = 3, state reset every round: the matrix as in
     Alg. 6 lines 7-13 (EMA momentum 0.9, Jordan's quintic, no gamma, weight decay 0.01); the
-    bias with Adam (b1 0.9, b2 0.999, eps 1e-8, bias-corrected from a fresh state) at 3e-4 --
+    bias with Adam (b1 0.9, b2 0.95, eps 1e-8, bias-corrected from a fresh state) at 3e-4 --
     Table 8's AdamW rate, not the Muon rate 3e-2 -- with the decoupled weight decay at that
     rate too, ``3e-4 * 0.01`` (each parameter group decays at its own rate, as the authors'
     ``SingleDeviceMuonWithAuxAdam`` groups do).
@@ -354,8 +354,8 @@ def test_local_muon_preset_runs_alg6_and_adamw_at_the_adamw_rate_on_biases(x64):
                 gw, gb = fp.np_grads(data, i, x, y)
                 m = 0.9 * m + 0.1 * gw
                 x = x - lr * (fp.np_newton_schulz(m, 5, JORDAN) + wd * x)
-                mu, nu = 0.9 * mu + 0.1 * gb, 0.999 * nu + 0.001 * gb**2
-                adam = (mu / (1 - 0.9**step)) / (np.sqrt(nu / (1 - 0.999**step)) + 1e-8)
+                mu, nu = 0.9 * mu + 0.1 * gb, 0.95 * nu + 0.05 * gb**2
+                adam = (mu / (1 - 0.9**step)) / (np.sqrt(nu / (1 - 0.95**step)) + 1e-8)
                 y = y - adamw_lr * (adam + wd * y)
             dws.append(x - w)
             dbs.append(y - b)
@@ -411,7 +411,7 @@ def test_fedmuon_muon_methods_run_alg2_alike(preset):
         assert momentum_form(config) == {"beta": 0.98, "ema": False, "nesterov": False}, method
         rule = fallback_rule(config)
         assert math.isclose(rule["learning_rate"], adamw.learning_rate, rel_tol=1e-12), method
-        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.999, 1e-8), method
+        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.95, 1e-8), method
     assert_same(
         f"{preset} orthogonalization", {m: orthogonalization(c) for m, c in configs.items()}
     )
@@ -705,7 +705,7 @@ def test_fedmuon_finetune_methods_share_the_setting_and_one_muon(preset):
         assert momentum_form(config) == {"beta": 0.98, "ema": False, "nesterov": False}, method
         rule = fallback_rule(config)
         assert math.isclose(rule["learning_rate"], adamw.learning_rate, rel_tol=1e-12), method
-        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.999, 1e-8), method
+        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.95, 1e-8), method
         assert (config.optim.learning_rate, config.optim.weight_decay) == (3e-3, 0.01), method
     assert adamw.learning_rate == 1e-4
     assert_same(
@@ -729,7 +729,7 @@ def test_fedpac_table9_methods_share_the_setting_and_one_muon(preset):
         assert orthogonalization(config)["ns_coeffs"] == "jordan", method
         rule = fallback_rule(config)
         assert math.isclose(rule["learning_rate"], 1e-4, rel_tol=1e-12), method
-        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.999, 1e-8), method
+        assert (rule["b1"], rule["b2"], rule["eps"]) == (0.9, 0.95, 1e-8), method
         assert (config.optim.learning_rate, config.optim.weight_decay) == (1e-2, 0.01), method
     assert_same(
         f"{preset} orthogonalization", {m: orthogonalization(c) for m, c in configs.items()}

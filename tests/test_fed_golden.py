@@ -1,12 +1,27 @@
-"""Golden rounds: every registered algorithm, bit for bit, under the strategies that compile it.
+"""Golden rounds: every registered algorithm, checked against recorded results on every CPU.
 
 For each case of :data:`CASES` (every name of ``fed.ALGORITHMS``, plus a few options that take
-another engine path), three rounds on a tiny problem under the strategies below; the
-SHA-256 of the bytes of each part of the final server state (parameters, model state, optimizer
-state, ``g_G``, control variates, server optimizer state, the clients' kept state, ``extra``) and
-of the last round's metrics must equal ``tests/fixtures/fed_golden.json``: a tolerance of zero.
-The engine's code can then move (modules, per-axis specs) only if every algorithm computes
-exactly what it computed before.
+another engine path), three rounds on a tiny problem under the strategies below; every part of
+the final server state (parameters, model state, optimizer state, ``g_G``, control variates,
+server optimizer state, the clients' kept state, ``extra``) and the last round's metrics are
+compared with ``tests/fixtures/fed_golden.json`` in two ways:
+
+* **bytes, where the fixture was recorded on the same platform** (:func:`platform`): the
+  SHA-256 of each part's bytes must be equal, a tolerance of zero. The engine's code can then
+  move (modules, per-axis specs) only if every algorithm computes exactly what it computed
+  before. A platform is what decides the bits of a float32 program on XLA:CPU: the jaxlib
+  version, the CPU (XLA compiles for the host's vector ISA: the same program rounds
+  differently with 512-bit and 256-bit vectors, e.g. FedAvg's three rounds differ in their last
+  bits between an AVX-512 and an AVX2 machine) and the ``--xla_cpu_*`` flags; for the cases whose
+  rounds call LAPACK (:func:`calls_lapack`), also the BLAS kernels OpenBLAS picked
+  (``OPENBLAS_CORETYPE`` changes them: its float32 ``eigh``/``qr``/SVD then differ in their last
+  bits, and the rounds after them too). So the bytes of the cases that run XLA alone depend on
+  no BLAS kernel, and the bytes of the LAPACK cases are only ever compared on the kernels that
+  made them.
+* **values, everywhere**: the vmap round's every leaf is compared with the recorded values at
+  :data:`RTOL`/:data:`ATOL`, the spread measured between platforms (their comment says how), for
+  every case, so a machine on which no bytes were recorded still checks every algorithm's
+  arithmetic to float32 rounding. Integer leaves (counts, keys) must be equal.
 
 Which strategies. An algorithm's own code (local steps, upload, server update) is compiled in
 two ways: vmapped over clients (``vmap``; ``chunked`` vmaps chunks of two) and one client at a
@@ -28,23 +43,35 @@ case whenever its fingerprints are recorded.
 If this test fails:
 
 * after a refactoring that should not change any result: the refactoring changed the maths or
-  the order of floating-point operations; find the part named in the message and fix the code;
+  the order of floating-point operations; find the part named in the message and fix the code.
+  Bytes are compared only on a recorded platform: before a refactoring on another machine, add
+  your platform's bytes first (``FEDORTH_RECORD_GOLDEN=platform``, below);
 * after a deliberate change of an algorithm's behaviour (a fidelity fix): re-record with
-  ``FEDORTH_RECORD_GOLDEN=1 python -m pytest -q -n 0 tests/test_fed_golden.py`` and say in
-  the commit which cases changed and why;
-* after a JAX upgrade or on another CPU (XLA may order a reduction differently): check first
-  that the strategies still agree (the assertion before the golden one, a tolerance of float32
-  rounding), then re-record as above.
+  ``FEDORTH_RECORD_GOLDEN=1 python -m pytest -q -n 0 tests/test_fed_golden.py`` (values and
+  this platform's bytes; other platforms' bytes are dropped) and say in the commit which cases
+  changed and why;
+* ``FEDORTH_RECORD_GOLDEN=platform`` adds this platform's bytes to the fixture, after the values
+  check passed (a machine whose results are not within the measured spread is not recorded);
+* after a JAX upgrade: check first that the strategies still agree (the assertion before the
+  golden one, a tolerance of float32 rounding) and the values, then re-record as above.
 
 The cases run on the CPU backend with the 8 fake devices only (``cpu_devices``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
+import platform as platform_lib
+import re
+import subprocess
+import sys
 
 import fed_problems as fp
 import jax
@@ -221,6 +248,7 @@ def _problem(minimax: bool):
 
 
 def _run(case: str, strategy: str):
+    """(server, metrics) after :data:`ROUNDS` rounds, and whether the round calls LAPACK."""
     name = CASES[case][0]
     alg = _algorithm(case)
     n = CLIENTS_PER_ROUND if alg.full_participation_only else NUM_CLIENTS
@@ -236,9 +264,19 @@ def _run(case: str, strategy: str):
     data = jax.tree.map(jnp.asarray, fp.quadratic_clients(n, seed=5))
     server = fed.init_server(alg, params, model_state, num_clients=n, key=jax.random.key(1))
     round_fn = fed.make_round_fn(alg, loss_fn, fp.batch_fn, config)
+    # The call below reuses this lowering (jit's caches), so knowing costs no second trace.
+    lapack = calls_lapack(round_fn.lower(server, data).as_text()) if strategy == "vmap" else None
     for _ in range(ROUNDS):
         server, metrics = round_fn(server, data)
-    return server, metrics
+    return server, metrics, lapack
+
+
+def calls_lapack(program_text: str) -> bool:
+    """Whether a lowered round calls LAPACK: on XLA:CPU ``fedorth.optim.linalg`` runs SciPy's
+    LAPACK in a host callback, and ``jnp.linalg`` lowers to jaxlib's LAPACK custom calls (which
+    call SciPy's OpenBLAS too). Either way its results depend on OpenBLAS's kernels."""
+    targets = set(re.findall(r"custom_call @(\w+)", program_text))
+    return any("callback" in target or "lapack" in target for target in targets)
 
 
 def _parts(server, metrics) -> dict:
@@ -265,47 +303,249 @@ def _fingerprint(tree) -> str:
     return digest.hexdigest()
 
 
-def _record(case: str, results: dict) -> None:
+def _values(tree) -> dict:
+    """Each leaf's dtype, shape and values (float32 values are exact as Python floats)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        array = np.asarray(leaf)
+        out[jax.tree_util.keystr(path)] = {
+            "dtype": str(array.dtype),
+            "shape": list(array.shape),
+            "values": array.ravel().tolist(),
+        }
+    return out
+
+
+# The values check's tolerance between platforms: the strategies' agreement tolerance below (the
+# same sums reassociated: SOAP's eigenbases move with their eigen-gaps, 1.3e-5 on entries of
+# order 0.1 between fedpac_soap_light's chunked and vmap rounds). Other kernels reassociate the
+# same way. Measured on this file's vmap rounds (python -m pytest ... in an environment with each
+# setting, every case, every leaf, an AMD EPYC with AVX2): XLA compiled for SSE4.2 instead of
+# AVX2 (XLA_FLAGS=--xla_cpu_max_isa=SSE4_2) moves every case, by at most 7.2e-6 (fedpac_soap_light's
+# Q, an entry of 0.053; 3.1e-5 on a precond_drift of 189); OpenBLAS's Sandybridge or Prescott
+# kernels instead of Haswell (OPENBLAS_CORETYPE) move the five LAPACK cases, by at most 4.4e-6
+# (the same Q). The largest is 7% of |a - b| <= ATOL + RTOL |b|: a 14x margin.
+RTOL, ATOL = 2e-5, 1e-4
+
+
+@functools.cache
+def _cpu() -> str:
+    """The CPU as XLA:CPU compiles for it: vendor, family, model and its vector ISA."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        pass
+    if not fields:
+        return f"{platform_lib.machine()} {platform_lib.processor()}"
+    isa = (
+        "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16 "
+        "avx512_fp16 avx_vnni amx_tile amx_bf16"
+    ).split()
+    flags = set(fields.get("flags", "").split())
+    return (
+        f"{platform_lib.machine()} {fields.get('vendor_id', '?')} family "
+        f"{fields.get('cpu family', '?')} model {fields.get('model', '?')} "
+        f"({' '.join(name for name in isa if name in flags)})"
+    )
+
+
+@functools.cache
+def openblas_core() -> str | None:
+    """The kernels OpenBLAS picked for this CPU (``OPENBLAS_CORETYPE`` overrides its choice), as
+    SciPy's bundled OpenBLAS reports them; None where it cannot be asked."""
+    import scipy
+
+    folders = [os.path.dirname(scipy.__file__) + ".libs", os.path.dirname(scipy.__file__)]
+    for path in sorted(p for folder in folders for p in glob.glob(f"{folder}/*openblas*.so*")):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for symbol in ("scipy_openblas_get_corename", "openblas_get_corename"):
+            function = getattr(library, symbol, None)
+            if function is not None:
+                function.restype = ctypes.c_char_p
+                return function().decode()
+    return None
+
+
+def platform(lapack: bool) -> str | None:
+    """What decides the bytes of a case's rounds (module docstring); None where the BLAS
+    kernels of a LAPACK case cannot be told (its bytes are then never compared)."""
+    xla_flags = sorted(
+        flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.startswith("--xla_cpu")
+    )
+    parts = [
+        f"jaxlib {importlib.metadata.version('jaxlib')}",
+        _cpu(),
+        f"XLA_FLAGS {' '.join(xla_flags) or '-'}",
+    ]
+    if lapack:
+        core = openblas_core()
+        if core is None:
+            return None
+        parts.append(f"OpenBLAS {core}")
+    return " | ".join(parts)
+
+
+def _record(case: str, values: dict, fingerprints: dict, where: str, mode: str) -> None:
+    """Writes a case's values and this platform's bytes (``mode == "1"``: the values and this
+    platform alone), or adds this platform's bytes (``mode == "platform"``)."""
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    golden[case] = results
+    if mode == "platform" and case in golden:
+        golden[case]["bytes"][where] = fingerprints
+    else:
+        golden[case] = {"values": values, "bytes": {where: fingerprints}}
     GOLDEN.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+
+
+def _compare_values(case: str, got: dict, want: dict) -> list[str]:
+    """The leaves of the vmap round that differ from the recorded values (module docstring)."""
+    problems = []
+    for part in want:
+        for path, leaf in want[part].items():
+            mine = got[part].get(path)
+            name = f"{part}{path}"
+            if mine is None or (mine["dtype"], mine["shape"]) != (leaf["dtype"], leaf["shape"]):
+                problems.append(
+                    f"{name}: {mine and (mine['dtype'], mine['shape'])} recorded as "
+                    f"{(leaf['dtype'], leaf['shape'])}"
+                )
+                continue
+            a, b = np.asarray(mine["values"]), np.asarray(leaf["values"])
+            if np.issubdtype(np.dtype(leaf["dtype"]), np.floating):
+                bad = ~(np.abs(a - b) <= ATOL + RTOL * np.abs(b))
+            else:
+                bad = a != b
+            if bad.any():
+                worst = int(np.argmax(np.abs(a - b)))
+                problems.append(f"{name}[{worst}]: {a[worst]!r} recorded as {b[worst]!r}")
+        extra = set(got[part]) - set(want[part])
+        problems += [f"{part}{path}: not recorded" for path in sorted(extra)]
+    return problems
 
 
 @pytest.mark.cpu_devices
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rounds_match_the_golden_fingerprints(case):
+    check_case(case)
+
+
+def check_case(case: str) -> dict:
+    """The golden test of one case; returns the platform, whether bytes were compared, and the
+    vmap round's fingerprints."""
     runs = {strategy: _run(case, strategy) for strategy in strategies(case)}
+    lapack = runs["vmap"][2]
     got = {
-        strategy: {part: _fingerprint(tree) for part, tree in _parts(*run).items()}
+        strategy: {part: _fingerprint(tree) for part, tree in _parts(*run[:2]).items()}
         for strategy, run in runs.items()
     }
-    if os.environ.get("FEDORTH_RECORD_GOLDEN") == "1":
-        _record(case, got)
+    values = {part: _values(tree) for part, tree in _parts(*runs["vmap"][:2]).items()}
     for strategy, run in runs.items():  # equal bytes could be NaNs recorded as they came
-        for path, leaf in jax.tree_util.tree_leaves_with_path(_parts(*run)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(_parts(*run[:2])):
             if jnp.issubdtype(leaf.dtype, jnp.floating):
                 assert np.isfinite(leaf).all(), f"{case} {strategy}: {jax.tree_util.keystr(path)}"
     # The strategies agree up to float reassociation (a check that needs no golden file). atol:
     # SOAP's eigenbases move with their eigen-gaps (1.3e-5 on entries of order 0.1 between
     # fedpac_soap_light's chunked and vmap rounds here); the golden bytes are the exact check.
-    reference = jax.tree.leaves(_parts(*runs["vmap"]))
+    reference = jax.tree.leaves(_parts(*runs["vmap"][:2]))
     for strategy in list(runs)[1:]:
-        other = jax.tree.leaves(_parts(*runs[strategy]))
+        other = jax.tree.leaves(_parts(*runs[strategy][:2]))
         assert len(other) == len(reference), strategy
         for a, b in zip(reference, other, strict=True):
             if jnp.issubdtype(a.dtype, jnp.floating):
                 np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-4, err_msg=strategy)
             else:
                 np.testing.assert_array_equal(a, b, err_msg=strategy)
-    golden = json.loads(GOLDEN.read_text())
+    where = platform(lapack)
+    mode = os.environ.get("FEDORTH_RECORD_GOLDEN")
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    if mode == "1":
+        assert where is not None, "OpenBLAS's kernels cannot be told here: record elsewhere"
+        _record(case, values, got, where, mode)
+        golden = json.loads(GOLDEN.read_text())
     assert case in golden, f"no golden for {case!r}: record it (module docstring)"
+    # The recorded record says whether the case called LAPACK: a case that starts or stops
+    # calling it changes which platforms its bytes belong to, so it must be re-recorded.
+    recorded_platforms = list(golden[case]["bytes"])
+    assert all(("| OpenBLAS " in p) == lapack for p in recorded_platforms), (
+        f"{case}: its round {'calls' if lapack else 'no longer calls'} LAPACK, unlike when it was "
+        "recorded: re-record it (module docstring)"
+    )
+    wrong = _compare_values(case, values, golden[case]["values"])
+    assert not wrong, (
+        f"{case}: the vmap round's {wrong[:5]} differ from tests/fixtures/fed_golden.json by more "
+        f"than float32 rounding between platforms (rtol {RTOL}, atol {ATOL}); a refactoring "
+        "must leave them equal, a deliberate behaviour change re-records them (module docstring)"
+    )
+    if mode == "platform" and where is not None:
+        _record(case, values, got, where, mode)
+        golden = json.loads(GOLDEN.read_text())
+    recorded = golden[case]["bytes"].get(where)
+    outcome = {"platform": where, "bytes_compared": recorded is not None, "vmap": got["vmap"]}
+    if recorded is None:
+        return outcome  # no bytes of this platform: the values above are the check
     changed = [
         f"{strategy}.{part}"
         for strategy in runs
         for part in got[strategy]
-        if got[strategy][part] != golden[case][strategy][part]
+        if strategy in recorded and got[strategy][part] != recorded[strategy][part]
     ]
     assert not changed, (
-        f"{case}: the bytes of {changed} differ from tests/fixtures/fed_golden.json; a refactoring "
-        "must leave them equal, a deliberate behaviour change re-records them (module docstring)"
+        f"{case}: the bytes of {changed} differ from tests/fixtures/fed_golden.json's, recorded on "
+        f"this platform ({where}); a refactoring must leave them equal, a deliberate behaviour "
+        "change re-records them (module docstring)"
     )
+    return outcome
+
+
+# What another machine computes, simulated here: XLA compiled for SSE4.2 (every case's bytes move)
+# and OpenBLAS's generic Prescott kernels (the LAPACK cases' bytes move), in a fresh process.
+_ELSEWHERE = {"OPENBLAS_CORETYPE": "Prescott", "XLA_CPU_MAX_ISA": "SSE4_2"}
+
+
+@pytest.mark.cpu_devices
+def test_the_golden_cases_pass_on_other_kernels():
+    """On a platform whose bytes the fixture does not hold (other vector ISA, other BLAS
+    kernels), the rounds' bytes differ and the values check passes: the fixture holds no
+    byte that a machine must reproduce. One XLA-only case and one LAPACK case."""
+    cases = ["fedavg", "local_soap"]
+    env = dict(os.environ, OPENBLAS_CORETYPE=_ELSEWHERE["OPENBLAS_CORETYPE"])
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={_ELSEWHERE['XLA_CPU_MAX_ISA']}"
+    ).strip()
+    env.pop("FEDORTH_RECORD_GOLDEN", None)
+    script = (
+        "import json, sys; import test_fed_golden as g; "
+        "print(json.dumps({c: g.check_case(c) for c in sys.argv[1:]}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, *cases],
+        cwd=pathlib.Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    golden = json.loads(GOLDEN.read_text())
+    for case in cases:
+        outcome = outcomes[case]
+        assert not outcome["bytes_compared"], (case, outcome["platform"])
+        # The LAPACK case's platform names the kernels OpenBLAS ran (Prescott's report as
+        # "Katmai" in SciPy's OpenBLAS 0.3.30), the XLA-only case's names none.
+        assert ("| OpenBLAS " in outcome["platform"]) == (case == "local_soap"), outcome
+        recorded = [bytes_["vmap"] for bytes_ in golden[case]["bytes"].values()]
+        assert all(outcome["vmap"]["params"] != r["params"] for r in recorded), (
+            f"{case}: the simulated platform computed a recorded platform's bytes, so this test "
+            "shows nothing: pick settings that change them"
+        )

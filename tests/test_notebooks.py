@@ -67,7 +67,7 @@ INSTALL_CELL = """\
 # Installs fedorth where it cannot be imported (Colab, a fresh kernel), from the first of: the
 # environment variable FEDORTH_INSTALL_SOURCE (anything pip installs); the project's address,
 # FEDORTH_URL, once it is published; a fedorth-*.whl uploaded to the notebook's folder (Colab:
-# /content; build it in a checkout with `python -m build`, or `pip wheel --no-deps -w dist .`).
+# /content; build it in a checkout with `pip wheel --no-deps -w dist .`, which needs nothing more).
 import glob
 import importlib.util
 import os
@@ -84,8 +84,8 @@ if importlib.util.find_spec("fedorth") is None:
     )
     if source is None:
         raise RuntimeError(
-            "fedorth is not installed here: upload the wheel that `python -m build` makes in a "
-            "checkout of fedorth (dist/fedorth-*.whl) to the notebook's folder, or set "
+            "fedorth is not installed here: upload the wheel that `pip wheel --no-deps -w dist .` "
+            "makes in a checkout of fedorth (dist/fedorth-*.whl) to the notebook's folder, or set "
             "FEDORTH_URL to the project's address, and run this cell again."
         )
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", source])"""
@@ -191,7 +191,7 @@ def test_install_cell_with_neither_says_both_ways_in_one_sentence(tmp_path):
     assert message.startswith("RuntimeError: fedorth is not installed here: upload the wheel"), (
         message
     )
-    assert "python -m build" in message and "FEDORTH_URL" in message
+    assert "pip wheel --no-deps -w dist ." in message and "FEDORTH_URL" in message
 
 
 def test_the_four_notebooks_exist():

@@ -1045,8 +1045,8 @@ def test_checkpoint_carries_its_config_when_config_json_is_gone(tmp_path, tiny_r
     message = config_in_checkpoint_message(workdir)
     assert message == (
         f"error: {workdir} holds a run of a different config (recorded in checkpoint 4: "
-        "optim.learning_rate: 0.05 there, 0.01 here). Use another --workdir, or pass "
-        "--overwrite to discard that run."
+        "optim.learning_rate: 0.05 there, 0.01 here). Use another --workdir (this one keeps "
+        "that run)."
     )
     assert (workdir / "metrics.jsonl").read_text() == before
     assert_documented(CONFIG_IN_CHECKPOINT, message, tmp_path)

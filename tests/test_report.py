@@ -77,7 +77,7 @@ def test_table_numbers_match_numpy(runs):
     acc = np.array([v[0] for v in FEDAVG.values()])
     loss = np.array([v[1] for v in FEDAVG.values()])
     expected = (
-        f"| fedavg | digits | mlp | Dir-0.3 | 3 (42,43,44) | 20 "
+        f"| fedavg | digits | mlp | per-class Dir-0.3 | 3 (42,43,44) | 20 "
         f"| {100 * acc.mean():.2f} ± {100 * acc.std(ddof=1):.2f} "
         f"| {loss.mean():.4f} ± {loss.std(ddof=1):.4f} | {(0.1 + 0.2) * 5:.3f} |"
     )
@@ -85,7 +85,7 @@ def test_table_numbers_match_numpy(runs):
     acc = np.array([v[0] for v in FEDPAC.values()])
     loss = np.array([v[1] for v in FEDPAC.values()])
     expected = (
-        f"| fedpac_soap | digits | mlp | Dir-0.3 | 2 (42,43) | 20 "
+        f"| fedpac_soap | digits | mlp | per-class Dir-0.3 | 2 (42,43) | 20 "
         f"| {100 * acc.mean():.2f} ± {100 * acc.std(ddof=1):.2f} "
         f"| {loss.mean():.4f} ± {loss.std(ddof=1):.4f} | {(0.3 + 0.4) * 5:.3f} |"
     )
@@ -126,23 +126,26 @@ def test_unfinished_run_is_read_at_the_common_round(tmp_path):
 
 def test_failed_diverged_and_stopped_runs_are_named_not_dashes(tmp_path):
     """A run without an evaluated round, one with a non-finite loss and one stopped early are
-    reported as such, under the table and in their row's round column."""
+    reported as such, under the table and in their row's round column; the diverged run's row
+    reads "diverged", not the numbers of its last finite round."""
     _write_run(tmp_path / "ok", _config(seed=1), _rows([0.5, 0.6, 0.7, 0.8], [4, 3, 2, 1]))
     _write_run(tmp_path / "stopped", _config(seed=2), _rows([0.3, 0.4], [6, 5]))
     _write_run(tmp_path / "failed", _config("scaffold", seed=1), [])
     diverged = _rows([0.5, 0.1], [2.0, float("inf")])
     _write_run(tmp_path / "diverged", _config("fedcm", seed=1), diverged)
     text = report.report([tmp_path])
-    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if "| Dir" in line}
+    rows = {
+        line.split(" | ")[0].strip("| "): line for line in text.splitlines() if "Dir-0.3 |" in line
+    }
     assert rows["scaffold"].split(" | ")[5] == "failed", rows["scaffold"]
     assert rows["fedavg"].split(" | ")[5] == "10 (incomplete)", rows["fedavg"]
-    assert rows["fedcm"].split(" | ")[5] == "10 (incomplete)", rows["fedcm"]
+    assert rows["fedcm"].split(" | ")[5:8] == ["diverged", "diverged (1 of 1 runs)", "—"]
     notes = text.split("Runs that did not reach fed.rounds:\n\n")[1].splitlines()
     assert sorted(notes) == sorted(
         [
             f"* {(tmp_path / 'stopped').resolve()}: incomplete: stopped at round 10 of 20",
             f"* {(tmp_path / 'failed').resolve()}: failed: no evaluated round in metrics.jsonl",
-            f"* {(tmp_path / 'diverged').resolve()}: diverged: non-finite loss at round 10",
+            f"* {(tmp_path / 'diverged').resolve()}: diverged at round 10 (test_loss is inf)",
         ]
     ), notes
     assert "Runs that did not reach" not in report.report([tmp_path / "ok"])
@@ -170,8 +173,8 @@ def test_settings_and_labels(tmp_path):
     _write_run(tmp_path / "c", _config("fedavg", dataset="cifar100", alpha=None), _rows([0.5], [1]))
     groups = report.group_runs(report.find_runs([tmp_path]))
     assert {(g.label, g.setting) for g in groups} == {
-        ("fedpac+adamw", ("digits", "mlp", "Dir-0.3")),
-        ("scaffold+adamw", ("digits", "mlp", "Dir-0.3")),
+        ("fedpac+adamw", ("digits", "mlp", "per-class Dir-0.3")),
+        ("scaffold+adamw", ("digits", "mlp", "per-class Dir-0.3")),
         ("fedavg", ("cifar100", "mlp", "iid")),
     }
 
@@ -214,19 +217,31 @@ def test_no_runs_is_an_error(tmp_path):
         report.report([tmp_path])
 
 
-def test_cli_plots_by_default_next_to_out(runs, tmp_path, monkeypatch, capsys):
-    """No --plot: the figure is report.png in the current folder, or next to --out."""
-    monkeypatch.chdir(tmp_path)
+def test_cli_plots_by_default_beside_the_runs_or_out(runs, tmp_path, monkeypatch, capsys):
+    """No --plot: the figure (PNG and PDF) is report.png/.pdf in the folder the DIRs share, or
+    beside --out; never in the current folder."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     report.main([str(runs / "soap")])
-    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (runs / "soap" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (runs / "soap" / "report.pdf").read_bytes()[:5] == b"%PDF-"
+    report.main([str(runs / "soap"), str(runs / "fedavg_s42")])
+    assert (runs / "report.png").exists() and (runs / "report.pdf").exists()
     out = tmp_path / "sub" / "table.md"
     out.parent.mkdir()
     report.main([str(runs / "soap"), "--out", str(out)])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (tmp_path / "report.png").unlink()
-    report.main([str(runs / "soap"), "--no-plot"])
-    assert not (tmp_path / "report.png").exists()
-    assert "figure: report.png" in capsys.readouterr().err
+    assert out.with_suffix(".pdf").exists()
+    report.main([str(runs / "soap"), "--plot", str(tmp_path / "figs" / "fig.svg")])
+    assert (tmp_path / "figs" / "fig.svg").read_text().lstrip().startswith("<?xml")
+    assert (tmp_path / "figs" / "fig.png").exists()
+    (runs / "report.png").unlink()
+    report.main([str(runs / "soap"), str(runs / "fedavg_s42"), "--no-plot"])
+    assert not (runs / "report.png").exists()
+    assert list(cwd.iterdir()) == []
+    err = capsys.readouterr().err
+    assert f"figure: {runs / 'report.png'} and {runs / 'report.pdf'} (--plot PATH" in err, err
 
 
 def test_duplicate_seed_is_one_run_with_a_warning(runs, tmp_path, capsys):

@@ -634,7 +634,7 @@ def test_another_grid_is_refused_without_sweep_json(tmp_path, values, reason):
         run_sweep_in(workdir, values, 2)
     message = str(info.value)
     assert "\n" not in message and "holds another sweep" in message
-    assert "pass --overwrite to discard that sweep" in message
+    assert "Use another --workdir (this one keeps that sweep)." in message
     described = {
         "no replica in common": "seeds 44, 45 where the checkpoint holds 42, 43",
         "keys": "`--sweep.seed=42,43` alone where the checkpoint holds seeds x learning rates",

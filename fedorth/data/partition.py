@@ -11,8 +11,9 @@ Choose one by name with :func:`partition` (registry :data:`PARTITIONERS`):
   proportions ``p_c ~ Dir(α·1_N)`` (Yurochkin et al. 2019; Wang et al. 2020, FedMA; the
   NIID-Bench benchmark of Li et al. 2022). Every example goes to exactly one client; client sizes
   vary. The default (embedded-data) configs use it.
-* ``dirichlet_client_mix`` (alias ``dirichlet_hsu``): Hsu et al. 2019 — each client draws its
-  class mix ``q_i ~ Dir(α·1_C)`` and a fixed number of examples from the class pools. This is
+* ``dirichlet_client_mix`` (alias ``dirichlet_hsu``): Hsu et al. 2019's scheme — each client
+  draws its class mix ``q_i ~ Dir(α·1_C)`` (α per class: Hsu's ``Dir(α'p)`` with a uniform prior
+  ``p`` and ``α' = C·α``) and a fixed number of examples from the class pools. This is
   the scheme all four papers cite for "Dir-α" (FedMuon (Liu et al.), FedMuon-LMO, FedMuon (Zhang &
   Gao), FedPAC (Liu et al.): "we follow the Dirichlet partitioning scheme (Hsu et al., 2019)") and
   the one FedMuon (Liu et al.)'s and FedPAC's authors' released code runs
@@ -178,9 +179,12 @@ def dirichlet_client_mix(
 ) -> list[np.ndarray]:
     """Dirichlet label skew by drawing each client's class mix: ``q_i ~ Dir(α·1_C)`` (Hsu et al.).
 
-    Hsu et al. 2019's scheme ("we draw q ~ Dir(αp)" per client, p the uniform class prior), the
-    "Dir-α" of the papers' presets, as in FedMuon (Liu et al.)'s and FedPAC's authors' released
-    code (``data_from_dirichlet``): client ``i`` draws
+    Hsu et al. 2019's scheme, in the parameterization of FedMuon (Liu et al.)'s and FedPAC's
+    authors' released code (``data_from_dirichlet``), the "Dir-α" of the papers' presets: ``α``
+    is the concentration of each class. Hsu et al. write ``q ~ Dir(α'p)`` with ``p`` the class
+    prior and ``α'`` the total concentration; with the uniform prior ``p = 1_C / C`` that is
+    ``Dir((α'/C)·1_C)``, so this ``α`` is Hsu's ``α' / C`` (``α = 0.1`` on CIFAR-100, ``C = 100``,
+    is Hsu's ``α' = 10``). Client ``i`` draws
     ``n_i ~ Multinomial(client_size, q_i)`` class counts and takes ``n_{i,c}`` examples from class
     ``c``'s pool. Every client has ``client_size`` examples (default ``⌊M/N⌋``).
 

@@ -94,8 +94,8 @@ class FafedState(NamedTuple):
     ``count`` counts all steps (shared across rounds when warm-started); ``round_step`` counts
     the steps of the current round and ``precond`` is per-round; ``prev_params``, the point of
     the client's last step, is its own across rounds: an algorithm aligns ``mu``, ``nu`` and
-    ``count`` only (:func:`fafed_aggregate_mask`) and keeps ``prev_params`` per client
-    (:func:`fafed_persistent_mask`).
+    ``count`` only and keeps ``prev_params`` per client,
+    ``fedorth.fed.start.Global(mask=fafed_aggregate_mask, keep=fafed_persistent_mask)``.
     """
 
     count: jax.Array  # shape=(), int32: shared schedule counter

@@ -39,7 +39,7 @@ def zg_muon_step(
       (``mu`` = ``M``; ``count`` = updates so far, a shared counter).
     """
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in (0, 1].")
+        raise ValueError(f"fed.options.beta={beta} must lie in (0, 1].")
 
     def init_fn(params):
         return fed_optim.EmaState(

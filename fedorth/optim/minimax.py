@@ -312,10 +312,10 @@ def minimax_server_tx(
     .. math:: x \leftarrow x + \gamma_x\, s\, \overline{\Delta x}, \quad
               y \leftarrow y + \frac{\gamma_y}{\eta_y/\eta_x}\, s\, \overline{\Delta y}
 
-    With the engine's ``server_rule="global_step"`` (``s = 1/(p eta_x)``) this is Fed minimax
-    (Zhang & Gao) Alg. 1
-    line 11: ``gamma_x / (eta_x p)`` on ``x`` and ``gamma_y / (eta_y p)`` on ``y``. With
-    ``"mean"`` (``s = 1``) it is the usual server learning rate of the baselines.
+    With the server rule ``fedorth.fed.update.GlobalStep(1.0)`` (``s = 1/(p eta_x)``) this is
+    Fed minimax (Zhang & Gao) Alg. 1 line 11: ``gamma_x / (eta_x p)`` on ``x`` and
+    ``gamma_y / (eta_y p)`` on ``y``. With ``fedorth.fed.update.Mean()`` (``s = 1``) it is the
+    usual server learning rate of the baselines.
     """
     gx = _check_positive("server_lr", server_lr)
     gy = _check_positive("dual_server_lr", dual_server_lr)

@@ -124,8 +124,8 @@ def sampled_control_variate(name: str = SAMPLED_GRADIENT) -> optax.GradientTrans
               v = \frac{1}{|S_t|} \sum_{j \in S_t} q_j
 
     ``q_i`` is client ``i``'s stochastic gradient at the server point (extra argument ``name``,
-    from the engine's ``client_prepass``) and ``v`` its mean over the round's sampled clients
-    (extra argument ``name + "_mean"``); Yang et al. 2022a (SAGDA), as
+    from the engine's pre-pass, ``fedorth.fed.corrections.Prepass``) and ``v`` its mean over the
+    round's sampled clients (extra argument ``name + "_mean"``); Yang et al. 2022a (SAGDA), as
     :mod:`fedorth.fed.algorithms.minimax_baselines` describes it.
     """
 

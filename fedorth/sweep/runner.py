@@ -106,9 +106,8 @@ def _saved_identity(workdir: pathlib.Path) -> tuple[str, dict[str, Any] | None] 
     """The identity of the sweep in ``workdir`` and where it is recorded, or ``None``.
 
     The newest complete checkpoint's copy comes first (it travels with the states it describes);
-    ``sweep.json`` only while there is no checkpoint, and only if it reads as one (without a
-    checkpoint there is no state to protect). ``None`` in place of the dict: the checkpoints
-    carry no grid (saved by an older fedorth).
+    ``sweep.json`` only while there is no checkpoint. ``None`` in place of the dict: the record
+    holds no grid (written by an older fedorth) or cannot be read.
     """
     directory = workdir / "checkpoints"
     saved = checkpoint_lib.saved_config(directory)
@@ -117,11 +116,14 @@ def _saved_identity(workdir: pathlib.Path) -> tuple[str, dict[str, Any] | None] 
         return f"checkpoint {step}", identity if _is_identity(identity) else None
     if any(checkpoint_lib._is_complete(d) for d in checkpoint_lib._step_dirs(directory)):
         return "checkpoints", None
-    try:
-        identity = json.loads((workdir / SWEEP_FILE).read_text())
-    except (OSError, ValueError):
+    path = workdir / SWEEP_FILE
+    if not path.exists():
         return None
-    return (SWEEP_FILE, identity) if _is_identity(identity) else None
+    try:
+        identity = json.loads(path.read_text())
+    except (OSError, ValueError):
+        identity = None
+    return SWEEP_FILE, identity if _is_identity(identity) else None
 
 
 def _without_rounds(config: dict) -> dict:
@@ -160,8 +162,9 @@ def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
     reason = None
     if saved is None:
         reason = (
-            f"no grid recorded in its {where}, written by an older fedorth: resume it with the "
-            "version that wrote it, whose git commit run_info.json names"
+            f"its {where} records no grid this fedorth reads (written by an older version, or "
+            "damaged): resume it with the version that wrote it, whose git commit run_info.json "
+            "names"
         )
     else:
         old_keys = [key for key, _ in saved[GRID_KEY]]
@@ -187,8 +190,8 @@ def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
                 return plan
     if not overwrite:
         raise loop.WorkdirConflictError(
-            f"{workdir} holds another sweep ({reason}). Use another --workdir, or pass "
-            "--overwrite to discard that sweep."
+            f"{workdir} holds another sweep ({reason}). Use another --workdir (this one keeps "
+            "that sweep)."
         )
     for child in workdir.iterdir():
         if child.is_dir() and (child.name == "checkpoints" or (child / "config.json").exists()):
@@ -656,7 +659,7 @@ class _Sweep:
                     write(index, row)
                     rows.append(row)
                 progress.update(done, _mean(rows) if is_eval else None)
-                stopping = signals.received is not None
+                stopping = signals.stop_requested()
                 every = self.checkpointer.every
                 if save and (is_last or stopping or (every and done % every == 0)):
                     step_path = self.checkpointer.directory / str(done)

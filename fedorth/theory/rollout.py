@@ -6,9 +6,10 @@
   sampled clients' end-of-round optimizer states ``Theta_i^{r,K}`` (FedPAC (Liu et al.) Definition
   1), which
   the engine itself only averages. It runs the *same* engine round on a twin of the algorithm
-  whose clients are ``"persistent"`` and start every round from the state the original would
-  start from (a fresh ``init`` for Local-X, the server's averaged state for FedPAC/FedMuon), so
-  the trajectory is the original's and the clients' final states stay readable.
+  whose clients are ``start.Persistent(averaged=True)`` and start every round from the state the
+  original would start from (a fresh ``init`` for Local-X, the server's averaged state for
+  FedPAC/FedMuon), so the trajectory is the original's and the clients' final states stay
+  readable.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def observe_clients(
     then evaluates both branches (same values, more work), see docs/CONTRACTS.md.
 
     Args:
-      algorithm: an algorithm whose clients start from ``"reset"`` or ``"global"`` state and that
-        keeps no control variates.
+      algorithm: an algorithm whose clients start from ``start.Reset()`` or ``start.Global()``
+        (without ``keep``) and that keeps no control variates.
       loss_fn: as for :func:`fedorth.fed.make_round_fn`.
       batch_fn: as for :func:`fedorth.fed.make_round_fn`.
       config: the round's settings.

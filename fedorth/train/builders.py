@@ -28,6 +28,12 @@ from fedorth.models import lora, pretrained
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
 
+class ConfigError(ValueError):
+    """The config cannot run: unknown names or out-of-range values (``fedorth.train.validate``,
+    before anything is loaded or compiled), a file it names that is missing or not what it says
+    (:func:`check_files`), or data it cannot split among its clients (:func:`build_data`)."""
+
+
 @dataclasses.dataclass
 class Experiment:
     """Everything a run needs, built once from the config."""
@@ -119,8 +125,6 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
             **kwargs,
         )
     except data_lib.DataConfigError as e:
-        from fedorth.train.validate import ConfigError  # validate imports this module
-
         raise ConfigError(str(e)) from None
 
 
@@ -195,6 +199,37 @@ def make_batch_fn(config: ml_collections.ConfigDict):
     return batch_fn
 
 
+def check_files(config: ml_collections.ConfigDict) -> None:
+    """Checks that the files the config names (``model.pretrained``,
+    ``data.dataset_kwargs.tokenizer``) exist and are what it says, without loading them.
+
+    Run by :func:`build` before the data are loaded; not part of
+    ``fedorth.train.validate.validate``, so that a config can be checked and printed where its
+    files are not.
+
+    Raises:
+      ConfigError: one line per problem, naming the key and the fix.
+    """
+    errors = []
+    source = config.model.get("pretrained")
+    if source:
+        try:
+            pretrained.check_checkpoint(config.model.name, str(source))
+        except pretrained.PretrainedError as e:
+            errors.append(str(e))
+    path = _to_dict(config.data.get("dataset_kwargs")).get("tokenizer")
+    if path:
+        from fedorth.data.tokenizer import load_tokenizer
+
+        hub = "roberta-base" if str(config.data.name).startswith("glue/") else "t5-base"
+        try:
+            load_tokenizer(str(path), hub_name=hub)
+        except (OSError, ValueError, ImportError) as e:  # missing, malformed, sentencepiece
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
 def _check_tokenizer(config: ml_collections.ConfigDict) -> None:
     """A pretrained text model on GLUE needs its own subword tokenizer (``glue/sst2`` would
     otherwise fall back to fedorth's word vocabulary, ids the checkpoint never saw)."""
@@ -227,9 +262,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
-    from fedorth.train import validate  # it imports this module
-
-    validate.check_files(config)  # before the data are loaded
+    check_files(config)  # before the data are loaded
     _check_tokenizer(config)
     fed_data = build_data(config, seed)
     model = build_model(config, fed_data)
@@ -248,8 +281,6 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
                 config.model.name, params, str(config.model.pretrained)
             )
         except pretrained.PretrainedError as e:  # the tensors do not fit the model's shapes
-            from fedorth.train.validate import ConfigError  # validate imports this module
-
             raise ConfigError(str(e)) from None
         logging.info("model.pretrained: %s", report)
     if isinstance(model, lora.LoRAModel):

@@ -336,5 +336,15 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for a save in flight and closes orbax's manager. While a Ctrl-C or SIGTERM
+        stops the run, a save it cut short may fail here: that failure is dropped (the cut step
+        is incomplete, and the next start removes it), so the stop's own message is the one
+        the user sees."""
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        try:
+            with _quiet_orbax():
+                self.manager.wait_until_finished()
+                self.manager.close()
+        except Exception:
+            if not interrupted:
+                raise

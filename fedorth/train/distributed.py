@@ -9,6 +9,13 @@ Two ways a process is lost, both ending in ``exit_if_peers_lost``'s line and exi
 * Silent (a frozen or unplugged host): JAX's heartbeat finds it after ``heartbeat_timeout_s``
   and aborts every other process.
 
+Ctrl-C and SIGTERM: JAX's ``initialize`` installs its own C-level SIGTERM handler (its
+preemption notice), which would leave a scheduler's SIGTERM unanswered; the Python handlers there
+were are put back. The loop's processes then agree after every round on whether any of them got
+a signal (:func:`agree_on_signal`), and all save that round and stop; :func:`leave` ends each
+process after that stop (through JAX's shutdown barrier when all stopped together, else at once:
+the others find this one lost).
+
 JAX's abort (a fatal log record, a C++ stack, Python's thread dump: 70-90 lines) is replaced by
 a C-level SIGABRT handler, and the fatal record by a filter on file descriptor 2. Which process
 is lost: each process stamps a counter in the coordinator's key-value store twice a second and
@@ -56,6 +63,7 @@ def initialize(
     """
     # CPU processes all-reduce through gloo (accelerators use their own collectives).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     jax.distributed.initialize(
         coordinator_address,
         num_processes,
@@ -68,10 +76,38 @@ def initialize(
     # line naming it replaces them.
     lib_utils.absl_set_min_log_level(3)
     jax.devices()  # every process exchanges its devices now, before one can fail alone
+    for signum, handler in handlers.items():  # JAX's C handler replaced them at the C level
+        if handler is not None:
+            signal.signal(signum, handler)
     _Liveness.start()
     _StderrFilter.start()
     _on_abort.handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(_on_abort)  # kept alive
     ctypes.CDLL(None).signal(signal.SIGABRT, _on_abort.handler)
+
+
+def agree_on_signal(signum: int) -> int:
+    """The signal any process of the run received (``signum``: this one's, 0 for none), the
+    same in every process; a collective: every process calls it at the same point."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+
+
+def leave(code: int, *, together: bool) -> None:
+    """Ends this process with exit code ``code`` after a Ctrl-C or SIGTERM stopped it.
+
+    ``together``: every process stopped at the same round; they leave through JAX's shutdown
+    barrier, so that none finds another lost. Otherwise (a second signal, or one before the
+    rounds) at once: the others' next collective fails and they name this process."""
+    if together and jax_distributed.global_state.client is not None:
+        if _Liveness.instance is not None:
+            _Liveness.instance.stop.set()
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 -- another process left at once: it is named there
+            pass
+    _exit("", code)
 
 
 def exit_if_peers_lost() -> None:

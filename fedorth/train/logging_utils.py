@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from fedorth.train.workdir import WorkdirError
+from fedorth.train.workdir import WorkdirError, append_own, write_atomic
 
 _EVENTS_GLOB = "events.out.tfevents.*"
 
@@ -129,8 +129,7 @@ class MetricsWriter:
             aside = self.path.with_name(
                 f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
             )
-            with aside.open("ab") as f:
-                f.write(b"".join(line + b"\n" for line in unreadable))
+            append_own(aside, b"".join(line + b"\n" for line in unreadable))
             logging.warning(
                 "%s: %d line(s) hold no readable row (cut by a kill, garbled, not UTF-8, or a "
                 "second row of a round); moved to %s, the %d readable rows are kept.",
@@ -151,14 +150,11 @@ class MetricsWriter:
             )
         kept_rows = [kept[r] for r in sorted(kept)]
         text = "".join(json.dumps(row) + "\n" for row in kept_rows)
-        if not self.path.exists() or self.path.read_text(errors="replace") != text:
-            # Write then rename: a kill during the rewrite must not lose the kept rows.
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with tmp.open("w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(self.path)
+        link = self.path.is_symlink()
+        if link or not self.path.exists() or self.path.read_text(errors="replace") != text:
+            # Write then rename (a kill during the rewrite must not lose the kept rows); the
+            # rename replaces a link in the place of the file, never its target.
+            write_atomic(self.path, text)
         self._rewrite_events(kept_rows)
         return kept_rows
 
@@ -201,9 +197,7 @@ class MetricsWriter:
         self._tb = _tensorboard_writer(self.logdir)
 
     def write(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        append_own(self.path, (json.dumps(row) + "\n").encode())
         if self._tb is not None:
             _add_scalars(self._tb, row)
             self._tb.flush()
@@ -276,6 +270,19 @@ class ClosedOutputSafe:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def exit_now(code: int) -> None:
+    """Flushes ``sys.stdout`` and ``sys.stderr`` and ends the process with ``code``, skipping
+    the interpreter's teardown: after a Ctrl-C, a compilation or a save it cut short may still
+    run in a thread, and tearing the interpreter down under it can crash (or print a thread's
+    traceback after the one-line message)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def format_duration(seconds: float) -> str:

@@ -38,7 +38,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import pathlib
 import platform
 import re
@@ -64,7 +63,7 @@ from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
 from fedorth.train.logging_utils import MetricsWriter, Progress
 from fedorth.train.validate import ConfigError, validate
-from fedorth.train.workdir import WorkdirError, WorkdirLockedError
+from fedorth.train.workdir import DiskFullError, WorkdirError, WorkdirLockedError
 
 
 class DivergenceError(FloatingPointError):
@@ -78,15 +77,13 @@ class WorkdirConflictError(RuntimeError):
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) or SIGTERM during a run; the message names the round reached and the round
     a rerun resumes from (the newest checkpoint). ``signum``: the signal, or ``None`` for a
-    ``KeyboardInterrupt`` raised otherwise."""
+    ``KeyboardInterrupt`` raised otherwise. ``at_once``: a second signal stopped it without
+    saving the round (with several processes, the others did not stop with it)."""
 
-    def __init__(self, message: str, signum: int | None = None):
+    def __init__(self, message: str, signum: int | None = None, *, at_once: bool = False):
         super().__init__(message)
         self.signum = signum
-
-
-class DiskFullError(OSError):
-    """A file of the run could not be written: no space left on its file system."""
+        self.at_once = at_once
 
 
 ROUNDS_FREE_SCHEDULES = ("constant", "step")
@@ -177,14 +174,7 @@ def _git_dirty() -> bool | None:
     return bool(out.stdout.strip())
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` so a kill at any point leaves the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+_write_atomic = workdir_lib.write_atomic  # never through a symbolic link
 
 
 def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -262,8 +252,8 @@ def _prepare_workdir(
                     f"{workdir} holds a run with another fed.rounds ({said}{diff[0]}), and "
                     f"optim.schedule={schedule!r} decays over fed.rounds: its rounds so far "
                     "followed the schedule of the old length, so continuing would match neither "
-                    "run. Use another --workdir, or pass --overwrite to discard that run (a "
-                    f"constant or 'step' schedule can be extended: {ROUNDS_FREE_SCHEDULES})."
+                    "run. Use another --workdir (this one keeps that run; a constant or 'step' "
+                    f"schedule can be extended: {ROUNDS_FREE_SCHEDULES})."
                 )
             _write_atomic(path, config_json)
             return
@@ -271,7 +261,7 @@ def _prepare_workdir(
             shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
             raise WorkdirConflictError(
                 f"{workdir} holds a run of a different config ({said}{shown}). Use another "
-                "--workdir, or pass --overwrite to discard that run."
+                "--workdir (this one keeps that run)."
             )
         if diff:
             for name in (
@@ -361,8 +351,8 @@ def _check_finite(
     )
     raise DivergenceError(
         f"Diverged at round {round_index}: {quantity}. Nothing of round {round_index} was "
-        f"written or saved; {kept}. Lower optim.learning_rate or add clipping, and start a "
-        "new --workdir (or pass --overwrite)."
+        f"written or saved; {kept}. Lower optim.learning_rate or add clipping, and use a new "
+        "--workdir (this one keeps the rounds before the divergence)."
     )
 
 
@@ -446,6 +436,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     # Several processes (jax.distributed) share the checkpoints; process 0 writes the run's files
     # in workdir and process i > 0 its own copy in workdir/process_i (writers of one file race).
     files = workdir if jax.process_index() == 0 else workdir / f"process_{jax.process_index()}"
+    workdir_lib.refuse_links(files)  # a received folder's links are data, not places to write
     with _disk_space(files / "config.json", None, None):
         _prepare_workdir(config, files, overwrite)
     writer = MetricsWriter(files)  # refuses a file in the place of tensorboard/ at once
@@ -464,9 +455,9 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
         workdir, every=int(config.get("checkpoint_every", 0)), config=config.to_dict()
     )
     # From here to the end, a signal asks for a stop after the round in progress: one that
-    # comes after the last round lets the run finish writing, and it ends as finished. Not with
-    # several processes: each would stop after its own round, and their saves are collective.
-    signals = _Signals(enabled=jax.process_count() == 1)
+    # comes after the last round lets the run finish writing, and it ends as finished. Several
+    # processes agree on it after each round (their saves are collective).
+    signals = _Signals(processes=jax.process_count())
     with signals:
         try:
             row = _train_rounds(
@@ -475,12 +466,18 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
         finally:
             writer.close()  # TensorBoard's last events reach the file
             checkpointer.close()
-    _summary(files, row, checkpointer)
+    _summary(files, row, checkpointer, workdir / "checkpoints")
     return row
 
 
-def _summary(workdir: pathlib.Path, row: dict[str, Any], checkpointer: Checkpointer) -> None:
-    """One line at the end of a finished run: its last metrics and where its files are."""
+def _summary(
+    workdir: pathlib.Path,
+    row: dict[str, Any],
+    checkpointer: Checkpointer,
+    checkpoints: pathlib.Path,
+) -> None:
+    """One line at the end of a finished run: its last metrics and where its files are, every
+    path as ``--workdir`` gave it (relative or absolute)."""
     shown = ", ".join(
         f"{key} {row[key]:.4f}"
         for key in ("train_loss", "test_loss", "test_accuracy", "test_auc")
@@ -490,7 +487,7 @@ def _summary(workdir: pathlib.Path, row: dict[str, Any], checkpointer: Checkpoin
     print(
         f"Finished round {row.get('round', step)}: {shown or 'no evaluation'}. Metrics in "
         f"{workdir / 'metrics.jsonl'}, curves in {workdir / 'curves.png'}, TensorBoard events in "
-        f"{workdir / 'tensorboard'}, checkpoint {checkpointer.directory / str(step)}.",
+        f"{workdir / 'tensorboard'}, checkpoint {checkpoints / str(step)}.",
         file=sys.stderr,
     )
 
@@ -548,14 +545,16 @@ class _Signals:
     """SIGINT (Ctrl-C) and SIGTERM while rounds run: the first asks the loop to stop after the
     round in progress (saved, so nothing computed is lost; a scheduler's SIGTERM usually leaves
     time for that), the second stops at once (``KeyboardInterrupt``; the run resumes from the
-    newest checkpoint). Installed only in the main thread (Python's signal handlers live there),
-    and only when ``enabled`` (one process; several keep Python's Ctrl-C: stop at once).
+    newest checkpoint). Installed only in the main thread (Python's signal handlers live there).
+    Several processes (``processes > 1``) stop together: each asks the others after every round
+    (:meth:`stop_requested`), and all save that round and stop, whichever process got the signal.
     """
 
     HANDLED = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, *, enabled: bool = True):
+    def __init__(self, *, enabled: bool = True, processes: int = 1):
         self.enabled = enabled
+        self.processes = processes
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -585,6 +584,18 @@ class _Signals:
             signal.signal(handled, signal.SIG_IGN)
         self.received = signum
         raise KeyboardInterrupt
+
+    def stop_requested(self) -> bool:
+        """Whether the run stops after this round: a signal came (to any of its processes; all
+        of them ask together, at the same points of the same round)."""
+        if self.processes == 1:
+            return self.received is not None
+        from fedorth.train import distributed
+
+        agreed = distributed.agree_on_signal(self.received or 0)
+        if agreed and self.received is None:
+            self.received = agreed  # another process's signal: this one stops with it
+        return bool(agreed)
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
@@ -626,6 +637,7 @@ def stopped_at_once(
         + ("" if last is not None else " (no checkpoint was saved yet)")
         + f" ({workdir}).",
         signum,
+        at_once=True,
     )
 
 
@@ -710,7 +722,7 @@ def _train_rounds(
             is_last = round_index == rounds
             is_eval = is_last or (eval_every > 0 and round_index % eval_every == 0)
             will_save = is_last or (checkpointer.every and round_index % checkpointer.every == 0)
-            stopping = signals.received is not None
+            stopping = signals.stop_requested()
             # Before anything of this round is written or saved (DivergenceError otherwise).
             _check_finite(
                 round_index,
@@ -746,7 +758,7 @@ def _train_rounds(
                 plotter.update(writer.rows())
             else:
                 progress.update(round_index)
-            if not stopping and signals.received is not None:  # came during this round's writes
+            if not stopping and signals.stop_requested():  # came during this round's writes
                 stopping = True
                 _check_finite(
                     round_index, metrics, server, full_state=True, checkpointer=checkpointer

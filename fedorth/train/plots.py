@@ -8,10 +8,12 @@ have it.
 
 from __future__ import annotations
 
-import os
+import io
 import pathlib
 from collections.abc import Sequence
 from typing import Any
+
+from fedorth.train import workdir
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -48,9 +50,9 @@ def save_curves(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, title:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=100, format="png")
+    workdir.write_atomic(path, buffer.getvalue())  # never through a symbolic link
 
 
 class CurvePlotter:

@@ -14,9 +14,11 @@ one per line. Each line names the field, the value and what is valid:
 Unknown *config keys* given on the command line are rejected earlier, by the locked config of
 ``experiments/main.py``; a config file that fails to load is one line naming its file and line
 (:func:`config_file_error`). The files a config names (``model.pretrained``,
-``data.dataset_kwargs.tokenizer``) are checked by :func:`check_files` before the data are loaded,
-and the checks that need the data (no more clients than examples, every client non-empty) run
-when the data are built (``fedorth.data.DataConfigError``); all name the key and the fix.
+``data.dataset_kwargs.tokenizer``) are checked by :func:`fedorth.train.builders.check_files`
+before the data are loaded, and the checks that need the data (no more clients than examples,
+every client non-empty) run when the data are built (``fedorth.data.DataConfigError``); all name
+the key and the fix. :class:`ConfigError` is :class:`fedorth.train.builders.ConfigError`, which
+both raise.
 
 Batch-size rule: the engine's sampler (``fedorth.data.sample_batch``) draws each local
 mini-batch uniformly **with replacement** from the client's examples, so ``fed.batch_size`` may
@@ -42,15 +44,10 @@ from absl import flags
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.fed import local
-from fedorth.models import pretrained
 from fedorth.models.layers import MODEL_DTYPES
 from fedorth.optim.newton_schulz import NS_DTYPES
 from fedorth.train import builders
-
-
-class ConfigError(ValueError):
-    """The config has unknown names or out-of-range values (nothing was loaded or compiled)."""
-
+from fedorth.train.builders import ConfigError
 
 _UNIT_OPTIONS = ("alpha", "beta")  # algorithm weights: a convex combination, in [0, 1]
 _DECAYS = ("b1", "b2", "shampoo_beta")  # Adam-style decays: 1 would divide by 1 - b^t = 0
@@ -331,36 +328,6 @@ def _check_image_size(c: _Checker, config) -> None:
         f"model.name={name!r} takes {expected}x{expected} images (its positions are learned "
         f"for that size), but {given}: {fix}."
     )
-
-
-def check_files(config: ml_collections.ConfigDict) -> None:
-    """Checks that the files the config names (``model.pretrained``,
-    ``data.dataset_kwargs.tokenizer``) exist and are what it says, without loading them.
-
-    Run before the data are loaded (:func:`fedorth.train.builders.build`); not part of
-    :func:`validate`, so that a config can be checked and printed where its files are not.
-
-    Raises:
-      ConfigError: one line per problem, naming the key and the fix.
-    """
-    c = _Checker()
-    source = config.model.get("pretrained")
-    if source:
-        try:
-            pretrained.check_checkpoint(config.model.name, str(source))
-        except pretrained.PretrainedError as e:
-            c.fail(str(e))
-    path = _as_dict(config.data.get("dataset_kwargs")).get("tokenizer")
-    if path:
-        from fedorth.data.tokenizer import load_tokenizer
-
-        hub = "roberta-base" if str(config.data.name).startswith("glue/") else "t5-base"
-        try:
-            load_tokenizer(str(path), hub_name=hub)
-        except (OSError, ValueError, ImportError) as e:  # missing, malformed, sentencepiece
-            c.fail(str(e))
-    if c.errors:
-        raise ConfigError("\n".join(c.errors))
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

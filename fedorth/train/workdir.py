@@ -10,8 +10,19 @@ byte-range locks, which also exclude runs on other hosts; a host that lost power
 locks when the server's lease on them expires (NFSv4: about 90 s). A file system without locks
 (``ENOLCK``) gets a one-line warning and no lock.
 
+The lock is taken on the workdir folder itself, and on ``run.lock``: deleting ``run.lock``
+while a run holds it does not let a second run in (the folder's lock still excludes it), and the
+file's lock serves file systems that lock files but not folders (NFS).
+
 A multi-process run (``jax.distributed``) takes the lock once, in process 0, for all its
 processes; if process 0 is refused, every process stops with the refusal.
+
+A workdir may come from someone else: its files are data, never instructions. The run's own
+files (:data:`OWN_FILES`, their temporaries and ``run.lock``) are opened with ``O_NOFOLLOW``,
+and a symbolic link in the place of one is refused in one line (:func:`refuse_links`): writing
+through it would overwrite the link's target, a file outside the run. Nothing a run reads from
+a workdir is unpickled or evaluated: JSON, JSON lines, TensorBoard's protobuf records and
+orbax's array files only.
 """
 
 from __future__ import annotations
@@ -22,11 +33,16 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import socket
 import sys
 import time
 
 LOCK_NAME = "run.lock"
+OWN_FILES = ("config.json", "run_info.json", "metrics.jsonl", "curves.png")
+"""The files a run writes in its workdir (besides ``run.lock``, ``checkpoints/`` and
+``tensorboard/``); each is written through a temporary ``.NAME.tmp`` (``.curves.png.tmp.png``)
+renamed over it."""
 
 
 class WorkdirError(ValueError):
@@ -36,6 +52,80 @@ class WorkdirError(ValueError):
 
 class WorkdirLockedError(RuntimeError):
     """Another run is writing to the workdir."""
+
+
+class DiskFullError(OSError):
+    """A file of the run could not be written: no space left on its file system."""
+
+
+def temporary(path: pathlib.Path) -> pathlib.Path:
+    """The temporary file a run writes ``path`` through (then renames it over ``path``)."""
+    if path.suffix == ".png":  # matplotlib picks the format by the name's suffix
+        return path.with_name(f".{path.name}.tmp.png")
+    return path.with_name(f".{path.name}.tmp")
+
+
+def link_message(path: pathlib.Path) -> str:
+    """The refusal of a symbolic link in the place of one of the run's own files."""
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return (
+        f"{path} is a symbolic link{target}; a run writes its own files there and never through "
+        "a link, which would overwrite the link's target: remove the link (its target is left as "
+        "it is) and rerun, or use another --workdir."
+    )
+
+
+def refuse_links(workdir: pathlib.Path) -> None:
+    """Refuses a workdir where one of the run's own files, or its temporary, is a symbolic link.
+
+    Raises:
+      WorkdirError: naming the first link found.
+    """
+    for name in OWN_FILES:
+        for path in (workdir / name, temporary(workdir / name)):
+            if path.is_symlink():
+                raise WorkdirError(link_message(path))
+
+
+def open_own(path: pathlib.Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of one of the run's own files, never through a symbolic link.
+
+    Raises:
+      WorkdirError: ``path`` is a symbolic link (one line naming it).
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise WorkdirError(link_message(path)) from None
+        raise
+
+
+def write_atomic(path: pathlib.Path, text: str | bytes) -> None:
+    """Writes ``text`` to ``path`` so a kill at any point leaves the old or the new file.
+
+    Neither ``path`` nor its temporary is followed if it is a symbolic link (``os.replace``
+    renames over a link, not through it; the temporary is refused).
+    """
+    tmp = temporary(path)
+    data = text.encode() if isinstance(text, str) else text
+    fd = open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_own(path: pathlib.Path, data: bytes) -> None:
+    """Appends ``data`` to one of the run's own files (created if missing), not through a link."""
+    fd = open_own(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with os.fdopen(fd, "ab") as f:
+        f.write(data)
+        f.flush()
 
 
 def resolve(workdir: str | os.PathLike) -> pathlib.Path:
@@ -59,9 +149,18 @@ def resolve(workdir: str | os.PathLike) -> pathlib.Path:
     return path
 
 
-def _holder(path: pathlib.Path) -> dict:
+def _holder(path: pathlib.Path) -> dict | None:
+    """The holder's details in ``run.lock``; ``{}`` before they are written, ``None`` when the
+    file is gone (deleted while its run holds the folder's lock)."""
     try:
-        return json.loads(path.read_text())
+        fd = open_own(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except (OSError, WorkdirError):
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read())
     except (OSError, ValueError):
         return {}  # the holder has not written its details yet (it is starting)
 
@@ -69,28 +168,71 @@ def _holder(path: pathlib.Path) -> dict:
 class WorkdirLock:
     """The lock on ``workdir`` (created if missing), held until :meth:`release`.
 
+    Two ``flock`` locks, both taken without waiting: on the folder itself (a deleted
+    ``run.lock`` does not defeat it) and on ``run.lock`` (opened with ``O_NOFOLLOW``), which
+    holds the holder's details.
+
     Raises:
       WorkdirLockedError: another process holds it; the message names that process.
-      WorkdirError: the workdir cannot be created or written.
+      WorkdirError: the workdir cannot be created or written, or ``run.lock`` is a symbolic link.
+      DiskFullError: no space for the holder's details in ``run.lock``.
     """
 
     def __init__(self, workdir: pathlib.Path):
         self.path = workdir / LOCK_NAME
+        self._fd: int | None = None
+        self._folder_fd: int | None = None
         try:
             workdir.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._folder_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # The folder first: a holder whose run.lock was deleted is found before this run
+            # creates another.
+            if self._lock(self._folder_fd, workdir, folder=True):
+                self._fd = open_own(self.path, os.O_RDWR | os.O_CREAT)
+                self._lock(self._fd, workdir, folder=False)
+            else:
+                self._fd = open_own(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
+            self._close()
             raise WorkdirError(
                 f"--workdir={workdir} cannot be written ({e.strerror}: {e.filename}); pass a "
                 "folder this user can create and write."
             ) from e
+        except (WorkdirError, WorkdirLockedError):
+            self._close()
+            raise
+        details = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(sys.argv)[:500],
+        }
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (json.dumps(details) + "\n").encode(), 0)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.release()
+            error = DiskFullError(
+                f"No space left on the device of {self.path}: it could not be written "
+                f"({_free(workdir)}); nothing of the run was changed (free some space, then the "
+                "same command starts or resumes it)."
+            )
+            error.errno = errno.ENOSPC
+            raise error from None
+
+    def _lock(self, fd: int, workdir: pathlib.Path, *, folder: bool) -> bool:
+        """``flock`` without waiting. Returns whether the file system locks (the folder: a file
+        system that locks files only, such as NFS, returns False and ``run.lock`` is locked)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                os.close(self._fd)
-                self._fd = None
                 raise WorkdirLockedError(self._refusal(workdir)) from None
+            if folder and e.errno in (errno.EBADF, errno.EINVAL):
+                return True  # NFS: a folder cannot be opened for writing, which its locks need
             # A file system without locks: refusing would make it unusable.
             logging.warning(
                 "%s cannot be locked (%s): make sure no other run writes to %s at the same time.",
@@ -98,18 +240,21 @@ class WorkdirLock:
                 e.strerror,
                 workdir,
             )
-        details = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": " ".join(sys.argv)[:500],
-        }
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, (json.dumps(details) + "\n").encode(), 0)
+            return False
+
+    def _close(self) -> None:
+        for name in ("_fd", "_folder_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
 
     def _refusal(self, workdir: pathlib.Path) -> str:
         holder = _holder(self.path)
-        if not holder:
+        if holder is None:
+            who = f"a process whose {LOCK_NAME}, which would name it, was deleted"
+            stop = "wait for it to end or stop it"
+        elif not holder:
             who = "a process that is starting (its details are not written yet)"
             stop = "wait for it to end or stop it"
         else:
@@ -132,8 +277,15 @@ class WorkdirLock:
         """Releases the lock (the file stays: removing it would race with a run opening it)."""
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # closing the last descriptor releases the flock
-            self._fd = None
+        self._close()  # closing the last descriptor releases the flock
+
+
+def _free(path: pathlib.Path) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 1e6:.1f} MB free" if free >= 1e6 else f"{free / 1e3:.1f} kB free"
 
 
 def lock_for_all_processes(
@@ -157,7 +309,7 @@ def lock_for_all_processes(
     if process_index == 0:
         try:
             lock = WorkdirLock(workdir)
-        except (WorkdirLockedError, WorkdirError) as e:
+        except (WorkdirLockedError, WorkdirError, DiskFullError) as e:
             refusal = e
     if process_count > 1:
         import numpy as np

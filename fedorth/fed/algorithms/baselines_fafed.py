@@ -8,15 +8,18 @@ with ``x <- x - eta u / (sqrt(v-bar) + rho)``, the adaptive matrix being fixed d
 The local transform and the choices where the engine's round structure differs from the paper's
 loop are in :mod:`fedorth.optim.fafed`.
 
-Engine mapping: ``client_state="global"`` with ``aggregate_mask`` selecting ``u``, ``v`` and the
-step count; ``persistent_mask`` keeps each client's previous STORM iterate across rounds (stacked
-over the clients in ``ServerState.clients``, as the reference code never resets ``model_``); the
-per-round quantities (frozen preconditioner, the round's step counter) start each round from
-``init``. The paper is cross-silo with all clients communicating; partial participation averages
-the sampled clients, and a client not sampled keeps its previous iterate until it joins again.
-The run's start, one averaging of the clients' first gradients and their squares (``m_0``,
-``v_0``) and the step ``x_1 = x_0 - eta m_0``, is a ``client_prepass`` that computes on round 0
-only and is left out of the per-round communication count.
+Engine mapping: ``start.Global(mask=fafed_aggregate_mask, keep=fafed_persistent_mask)``: the
+mask selects ``u``, ``v`` and the step count for averaging and the warm start; ``keep`` keeps each
+client's previous STORM iterate across rounds (stacked over the clients in
+``ServerState.clients``, as the reference code never resets ``model_``); the per-round quantities
+(frozen preconditioner, the round's step counter) start each round from ``init``. The paper is
+cross-silo with all clients communicating; partial participation averages the sampled clients,
+and a client not sampled keeps its previous iterate until it joins again. The run's start, one
+averaging of the clients' first gradients and their squares (``m_0``, ``v_0``) and the step
+``x_1 = x_0 - eta m_0``, is a pre-pass,
+``Corrections(prepass=Prepass(fafed_start_prepass, per_client=False))``, that computes on round 0
+only and is left out of the per-round communication count (``floats=0``). The server averages
+the models (``update.ServerUpdate(tx=optax.sgd(server_lr))``).
 
 Sources: the paper's box could not be read; two implementations were compared line by
 line (naya0000/FaFed ``code/Image/FAFED.py`` at fd3e4c1, probably the authors' code, and the

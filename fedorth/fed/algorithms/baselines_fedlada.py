@@ -90,9 +90,11 @@ def fedlada(
       clip_norm: clip each stochastic gradient to this global norm first (None: no clipping).
     """
     if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"fed.alpha={alpha} must lie in (0, 1] (weight of the local direction).")
+        raise ValueError(
+            f"fed.options.alpha={alpha} must lie in (0, 1] (weight of the local direction)."
+        )
     if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"fed.clip_norm={clip_norm} must be > 0 (or None).")
+        raise ValueError(f"fed.options.clip_norm={clip_norm} must be > 0 (or None).")
     opt, weight_decay, hp = local.split_optim(optim)
     if opt != "adamw":
         raise ValueError(f"fedlada runs local Adam: set optim.name='adamw', got {opt!r}.")

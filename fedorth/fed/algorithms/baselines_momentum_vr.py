@@ -16,11 +16,13 @@ sampled client ``i`` runs ``K`` steps ``x <- x - eta u`` with the direction
 gamma g^{r+1}`` and, for SCAFFOLD, ``c_i <- (1/K) sum_k grad F(x_i^{r,k}; xi)`` for the sampled
 clients and ``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)``.
 
-Engine mapping: ``g^r`` is the engine's ``global_direction`` (``g_G``), ``gamma`` the
-``global_step`` server rule (``server_lr=None`` gives ``gamma = K eta_r``, plain averaging), the
-new ``c_i`` the :func:`fedorth.optim.momentum_vr.running_mean` of the round's raw gradients read
-through ``control_variates="momentum"``, and the VR anchor ``x^{r-1}`` a server quantity in
-``ServerState.extra["prev_params"]`` (sent down: one more model per round).
+Engine mapping: ``g^r`` is the engine's ``global_direction`` (``g_G``,
+``Corrections(global_direction=True)``), ``gamma`` the rule ``update.GlobalStep(gamma)``
+(``server_lr``; ``None`` gives ``update.Mean()``, i.e. ``gamma = K eta_r``, plain averaging), the
+new ``c_i`` of the SCAFFOLD variants the :func:`fedorth.optim.momentum_vr.running_mean` of the
+round's raw gradients, read by ``Corrections(control=FromState(running_mean_of))``, and the VR
+anchor ``x^{r-1}`` a ``ServerQuantities`` in ``ServerState.extra["prev_params"]`` (sent down: one
+more model per round).
 
 Choices where the source leaves room: ``g^0 = 0``, ``c = c_i = 0`` and ``x^{-1} = x^0``
 (the first round of a VR method is then a FedAvg-M-like round); the VR anchor is the previous
@@ -95,7 +97,9 @@ def prev_params_quantities(*, variance_reduction: bool) -> ServerQuantities | No
 
 def check_beta(beta: float) -> None:
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in (0, 1] (weight of the new gradient).")
+        raise ValueError(
+            f"fed.options.beta={beta} must lie in (0, 1] (weight of the new gradient)."
+        )
 
 
 def _momentum_family(

@@ -14,11 +14,13 @@ so that the step sizes need no problem constants (only ``S``, ``K``, ``T``):
   ``g^+ = beta (c + mean_{i in S} (c_i^+ - c_i)) + (1 - beta) g`` and
   ``c^+ = c + (1/N) sum_{i in S} (c_i^+ - c_i)``.
 
-Engine mapping: ``c``/``c_i`` are ``control_variates="momentum"`` read from
-:func:`fedorth.optim.momentum_vr.running_mean`; ``g`` is ``ServerState.extra["padamfed_momentum"]``
-(updated from the clients' ``c_i^+ - c_i``, which the server can form from the uploaded ``c_i^+``,
-so it costs no extra upload); ``gamma`` is the ``global_step`` server rule (``server_lr=None``:
-``gamma = K eta_r``, plain averaging); the VR anchor ``x^{r-1}`` is
+Engine mapping: ``c``/``c_i`` are the control variates
+``Corrections(control=FromState(read))``, ``read`` taking the mean of the round's raw gradients
+kept by :func:`fedorth.optim.momentum_vr.running_mean`; ``g`` is
+``ServerState.extra["padamfed_momentum"]``, a ``ServerQuantities`` updated from the clients'
+``c_i^+ - c_i`` (a ``ClientReport`` the server can form from the uploaded ``c_i^+``, so it costs
+no extra upload); ``gamma`` is ``update.GlobalStep(gamma)`` (``server_lr``; ``None``:
+``update.Mean()``, i.e. ``gamma = K eta_r``, plain averaging); the VR anchor ``x^{r-1}`` is
 ``extra["prev_params"]``.
 
 Choices where the source leaves room: ``c = c_i = g = 0`` and ``x^{-1} = x^0`` at the start;
@@ -105,17 +107,17 @@ def padamfed(
         momentum_vr.normalize_by_global_norm(eps),
     )
 
-    def server_extra_init(params):
+    def init_quantities(params):
         extra = {MOMENTUM: jax.tree.map(jnp.zeros_like, params)}
         if variance_reduction:
             extra["prev_params"] = jax.tree.map(jnp.copy, params)
         return extra
 
-    def client_report(ctx):
+    def report_control_change(ctx):
         new_c = running_mean_of(ctx["opt_state"])
         return {"dc": jax.tree.map(lambda a, b: a - b, new_c, ctx["persistent"].control)}
 
-    def server_extra_update(server, reports, lr):
+    def update_quantities(server, reports, lr):
         del lr
         momentum = jax.tree.map(
             lambda c, dc, g: beta * (c + dc) + (1.0 - beta) * g,
@@ -133,9 +135,9 @@ def padamfed(
         local_tx=local.local_tx(direction, weight_decay=weight_decay),
         corrections=Corrections(control=FromState(running_mean_of)),
         server=update.ServerUpdate(rule=update.global_step_or_mean(server_lr)),
-        quantities=ServerQuantities(server_extra_init, server_extra_update),
+        quantities=ServerQuantities(init_quantities, update_quantities),
         # c_i^+ - c_i is formed by the server from the uploaded c_i^+: no floats of its own.
-        report=ClientReport(client_report),
+        report=ClientReport(report_control_change),
         paper=PAPER,
     )
 

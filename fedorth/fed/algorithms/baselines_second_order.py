@@ -5,14 +5,16 @@
   ``m <- b1 m + (1 - b1) g``, every ``f_h`` steps ``h <- b2 h + (1 - b2) h-hat``,
   ``x <- x - eta [clip(m / max(h, eps), rho) + lambda x]`` -- and the server averages the
   models. Devices keep their own ``m`` and ``h`` between the rounds they join
-  (``client_state="persistent"``; ``"reset"`` restarts them every round, i.e. Local Sophia).
+  (``fed.options.client_state="persistent"``: ``start.Persistent()``; ``"reset"``:
+  ``start.Reset()``, which restarts them every round, i.e. Local Sophia).
 * **FedPM** (Ishii et al., "FedPM: Federated Learning Using Second-order Optimization with
   Preconditioned Mixing of Local Parameters", AAAI 2026, arXiv:2511.09100): the same local
   second-order steps, but the server mixes the local models through their preconditioners,
   ``x^{r+1} = (sum_i P_i)^{-1} sum_i P_i x_i^K``, i.e.
   ``x^{r+1} = x^r + (sum_i P_i)^{-1} sum_i P_i (x_i^K - x^r)`` -- the decomposition of the
   global Newton step ``(mean_i H_i)^{-1} mean_i g_i`` into client updates and server mixing.
-  Clients upload ``P_i`` with their update.
+  Clients upload ``P_i`` with their update (``ClientReport(fn, floats=1.0)``), and the server
+  mixes the client-stacked updates (``update.ServerUpdate(combine=...)``).
 
 Cheap approximation (FedPM's paper uses full/Kronecker-factored curvature on small models):
 ``P_i`` is Sophia's *diagonal* preconditioner ``max(h_i, eps)`` at the end of the client's
@@ -55,8 +57,8 @@ def _sophia_tx(optim: Mapping[str, Any], name: str):
 def _check_client_state(client_state: str, name: str) -> None:
     if client_state not in CLIENT_STATES:
         raise ValueError(
-            f"{name}: fed.client_state={client_state!r}; valid: {CLIENT_STATES} (devices keep "
-            "their Sophia state, or restart it every round)."
+            f"{name}: fed.options.client_state={client_state!r}; valid: {CLIENT_STATES} "
+            "(devices keep their Sophia state, or restart it every round)."
         )
 
 
@@ -112,11 +114,11 @@ def fedpm(
     tx, hp = _sophia_tx(optim, "fedpm")
     eps = float(hp.get("eps", 1e-12))
 
-    def client_report(ctx):
+    def report_preconditioner(ctx):
         h = sophia_hessian_of(ctx["opt_state"])
         return {"precond": jax.tree.map(lambda x: jnp.maximum(x, eps), h)}
 
-    def aggregate_delta(server, deltas_C, reports_C):
+    def mix_by_preconditioner(server, deltas_C, reports_C):
         del server
         return jax.tree.map(
             lambda d, p: (jnp.sum(p * d, axis=0) / jnp.sum(p, axis=0)).astype(d.dtype),
@@ -128,8 +130,8 @@ def fedpm(
         name="fedpm",
         local_tx=tx,
         start=_start(client_state),
-        report=ClientReport(client_report, floats=1.0),  # P_i, one model-sized diagonal
-        server=update.ServerUpdate(tx=optax.sgd(server_lr), combine=aggregate_delta),
+        report=ClientReport(report_preconditioner, floats=1.0),  # P_i, one model-sized diagonal
+        server=update.ServerUpdate(tx=optax.sgd(server_lr), combine=mix_by_preconditioner),
         paper=(
             "Ishii et al. 2025 (FedPM), diagonal preconditioned mixing; "
             "FedPAC (Liu et al.) Table 12"

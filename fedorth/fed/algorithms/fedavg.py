@@ -2,8 +2,10 @@
 
 * FedAvg (McMahan et al. 2017) with any local optimizer X (Local SGD, Local AdamW, Local Muon,
   Local SOAP, Local Sophia, Local LMO): the "FedSOA" of FedPAC (Liu et al.) Alg. 1 -- the local
-  optimizer state is reset every round and only parameter updates are averaged (or, with
-  ``client_state="persistent"`` and ``server_rule="partial"``, FedMuon-LMO's Alg. 3/4).
+  optimizer state is reset every round (``start.Reset()``) and only parameter updates are
+  averaged (``update.Mean()``); or, with ``fed.options.client_state="persistent"``
+  (``start.Persistent()``) and ``fed.options.server_rule="partial"`` (``update.Partial()``),
+  FedMuon-LMO's Alg. 3/4.
 * FedAvgM / FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2): the averaged
   update ``Delta = mean_i(x_i^K - x^r)`` is a pseudo-gradient ``-Delta`` for a server optimizer
   (SGD with momentum, or Adam with ``tau`` as its epsilon). Alg. 2's Adam has no bias
@@ -54,7 +56,7 @@ def fedavg(
     """
     if client_state not in ("reset", "persistent"):
         raise ValueError(
-            f"fed.client_state={client_state!r}; valid for {name}: ('reset', 'persistent')."
+            f"fed.options.client_state={client_state!r}; valid for {name}: ('reset', 'persistent')."
         )
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(
@@ -85,7 +87,10 @@ def fedavgm(
     optim: Mapping[str, Any], *, server_lr: float = 1.0, server_momentum: float = 0.9
 ) -> FedAlgorithm:
     """FedAvgM: FedAvg with server momentum (Hsu et al. 2019; Reddi et al. 2021)."""
-    return fedavg(optim, name="fedavgm", server_lr=server_lr, server_momentum=server_momentum)
+    return dataclasses.replace(
+        fedavg(optim, name="fedavgm", server_lr=server_lr, server_momentum=server_momentum),
+        paper="Hsu et al. 2019 (FedAvgM); Reddi et al. 2021, Alg. 2 with server SGD momentum",
+    )
 
 
 def reddi_adam(lr: float, b1: float, b2: float, tau: float) -> optax.GradientTransformation:

@@ -21,7 +21,7 @@ from fedorth.optim import federated as fed_optim
 def fedcm(optim: Mapping[str, Any], *, alpha: float = 0.1, server_lr: float = 1.0) -> FedAlgorithm:
     """FedCM with client-level momentum weight ``alpha`` on the local gradient."""
     if fed_optim.is_concrete(alpha) and not 0.0 <= alpha <= 1.0:  # else a sweep's traced value
-        raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
+        raise ValueError(f"fed.options.alpha={alpha} must lie in [0, 1].")
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(
         local.direction(opt, **hp),

@@ -3,13 +3,16 @@
 FedMuon (Liu et al.) (docs/PAPERS.md: Liu et al., "FedMuon: Accelerating Federated
 Learning with Matrix Orthogonalization"), Alg. 2:
 
-* clients start from the server's averaged momentum ``M-bar`` (line 4) -- ``client_state="global"``;
+* clients start from the server's averaged momentum ``M-bar`` (line 4) -- ``start.Global()``
+  (``momentum_aggregation=False``: ``start.Reset()``);
 * local step ``M <- beta M + G``; ``x <- x - eta [(1 - alpha) UV^T + lambda x + alpha Delta_G]``
-  (lines 7-9) -- Muon's direction, mixing with the global direction, decoupled weight decay;
-* the server averages parameters (line 14) and momenta (line 15) and sets
-  ``Delta_G = -mean_i(x_i^K - x_i^0) / (K eta)`` (line 13);
+  (lines 7-9) -- Muon's direction, mixing with the global direction
+  (:func:`fedorth.optim.federated.mix_with_global`), decoupled weight decay;
+* the server averages parameters (line 14, ``update.Mean()``) and momenta (line 15, the
+  ``start.Global()`` upload) and sets ``Delta_G = -mean_i(x_i^K - x_i^0) / (K eta)`` (line 13)
+  -- ``Corrections(global_direction=True)`` (``alpha = 0``: no ``Delta_G``);
 * FedMuon_SVD (Sec. 5.2, Table 7) uploads each momentum matrix as its top-k singular triplets,
-  ``k`` = 5% of the rank.
+  ``k`` = 5% of the rank -- ``start.Global(compression=0.05)``.
 
 Choices where the paper is loose: the box writes ``UV^T`` of an exact SVD; like its experiments we
 use Newton-Schulz (``optim.ns_steps``, ``optim.ns_coeffs``). Non-matrix leaves (biases, norms)
@@ -45,7 +48,7 @@ def fedmuon(
     """
     concrete = fed_optim.is_concrete(alpha)  # else a sweep's traced value: always aligns
     if concrete and not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"fed.alpha={alpha} must lie in [0, 1].")
+        raise ValueError(f"fed.options.alpha={alpha} must lie in [0, 1].")
     aligns = not concrete or alpha > 0
     opt, weight_decay, hp = local.split_optim(optim)
     tx = local.local_tx(

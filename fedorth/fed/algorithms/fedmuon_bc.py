@@ -4,12 +4,13 @@ FedMuon-LMO (docs/PAPERS.md: "FedMuon: Federated Learning with
 Bias-Corrected LMO-based Optimization"), Alg. 1:
 
 * each client keeps its momentum ``M_i`` between the rounds it joins (line 6) --
-  ``client_state="persistent"``;
+  ``start.Persistent()``;
 * local step ``M_i <- (1 - alpha) M_i + alpha grad`` (line 8) and
   ``X_i <- X_i + eta lmo(M_i - C_i + C)`` (line 9), with the LMO of the spectral (T Newton-Schulz
   steps, classic coefficients; T = 0 is ``M / ||M||_F``), Frobenius or sign norm;
-* ``C_i <- M_i^{(r,K)}`` (line 11), ``C <- C + (1/n) sum_{i in S} (C_i+ - C_i)`` (line 17);
-* ``X <- (n - S)/n X + (1/n) sum_{i in S} X_i`` (line 18) -- ``server_rule="partial"``;
+* ``C_i <- M_i^{(r,K)}`` (line 11), ``C <- C + (1/n) sum_{i in S} (C_i+ - C_i)`` (line 17) --
+  ``Corrections(control=FromState(read))`` with ``read`` the EMA's momentum;
+* ``X <- (n - S)/n X + (1/n) sum_{i in S} X_i`` (line 18) -- ``update.Partial()``;
 * absent clients keep ``M_i`` and ``C_i`` unchanged (lines 14-15).
 
 Choices: ``M_i``, ``C_i`` and ``C`` start at zero. Non-matrix parameters (biases, norms) use
@@ -47,7 +48,7 @@ def fedmuon_bc(
       other_lr_ratio: learning rate of non-matrix leaves divided by ``eta``.
     """
     if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"fed.alpha={alpha} must lie in (0, 1].")
+        raise ValueError(f"fed.options.alpha={alpha} must lie in (0, 1].")
     opt, weight_decay, hp = local.split_optim(optim)
     if opt != "lmo":
         raise ValueError(f"fedmuon_bc uses an LMO local step: set optim.name='lmo', got {opt!r}.")

@@ -16,15 +16,17 @@ step's gradient at the current point before the optimizer runs;
 steps with ``lmo(M)`` and then updates ``M`` with the gradient at the new point,
 ``jax.grad(obj_fn)(X_{k+1})``, on the step's mini-batch (the engine's gradient at ``X_k`` is used
 only for ``M_0``, line 1, on the run's very first step).
-An earlier version updated ``M`` with the gradient at the current point and then stepped: the
-same sequence within a round, but its first step of every round used ``grad f^(k)(X-bar)`` in
-place of the averaged ``grad f^(k)(X_tau^(k))``, and drifted from the box after round 1 (1.4e-2,
-then 3.1e-2 at eta = 0.05 on the quadratic clients of the tests).
+Updating ``M`` with the gradient at the current point and then stepping gives the same sequence
+within a round, but its first step of every round would use ``grad f^(k)(X-bar)`` in place of
+the averaged ``grad f^(k)(X_tau^(k))``, and drift from the box after round 1 (1.4e-2, then
+3.1e-2 at eta = 0.05 on the quadratic clients of the tests).
 
 A round is ``tau = fed.local_steps`` steps; clients warm-start from the averaged momentum
-(``client_state="global"``). Cost: one extra gradient per local step over a plain Muon round
-(the gradient at the reached point), as in the box, which takes one gradient per iteration at
-``X_{t+1}`` (the engine's own gradient at ``X_t`` is unused after the first step).
+(``start.Global()``: the whole state is averaged, the parameters under ``update.Mean()``), and
+every client takes part (``full_participation_only``). Cost: one extra gradient per local step
+over a plain Muon round (the gradient at the reached point), as in the box, which takes one
+gradient per iteration at ``X_{t+1}`` (the engine's own gradient at ``X_t`` is unused after the
+first step).
 
 beta: Alg. 1 writes ``M <- (1 - beta) M + beta grad`` and §7 says "the momentum hyperparameters
 beta for all methods are fixed at 0.9". Fed minimax (Zhang & Gao), by the same authors with the
@@ -69,7 +71,7 @@ def fedmuon_zg(optim: Mapping[str, Any], *, beta: float = 0.1) -> FedAlgorithm:
         paper's "momentum 0.9" (module docstring).
     """
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in (0, 1].")
+        raise ValueError(f"fed.options.beta={beta} must lie in (0, 1].")
     _, weight_decay, hp = local.split_optim(optim)
     if weight_decay < 0:
         raise ValueError(f"optim.weight_decay={weight_decay} must be >= 0.")

@@ -6,18 +6,20 @@ Alg. 2/3 and Appendix Alg. 5 (SOAP), 7 (Muon), 9 (Sophia):
 
 * **alignment**: clients upload their preconditioner states ``Theta_i^{r,K}`` (Alg. 2 line 12),
   the server averages them (line 16) and clients warm-start from the average (line 3) --
-  ``client_state="global"`` with ``aggregate_mask = fedorth.optim.federated.align_mask``;
-  ``Theta`` is §3.2's: SOAP ``{L, R}``, Sophia ``{h}``, Muon ``{m}``. The rest of the state
-  restarts from ``init`` every round, as in Local-X (FedPAC = Local-X + alignment +
-  correction);
+  ``start.Global(mask=fedorth.optim.federated.align_mask)`` (``align=False``:
+  ``start.Reset()``); ``Theta`` is §3.2's: SOAP ``{L, R}``, Sophia ``{h}``, Muon ``{m}``. The
+  rest of the state restarts from ``init`` every round, as in Local-X (FedPAC = Local-X +
+  alignment + correction);
 * **correction**: ``x <- x - eta [(1 - beta) P_Theta(g) + beta g_G]`` (line 9), with
-  ``g_G = -mean_i(x_i^K - x_i^0) / (K eta)`` (line 14, ``g_G^0 = 0``);
-* server: ``x <- x + mean_i(dx_i)`` (Alg. 2 line 15) or, with ``server_lr = gamma``,
-  ``x <- x - gamma g_G`` (Alg. 3 line 15);
+  ``g_G = -mean_i(x_i^K - x_i^0) / (K eta)`` (line 14, ``g_G^0 = 0``) --
+  ``Corrections(global_direction=True)`` and
+  :func:`fedorth.optim.federated.mix_with_global` in the local optimizer (``beta = 0``: neither);
+* server: ``x <- x + mean_i(dx_i)`` (Alg. 2 line 15, ``update.Mean()``) or, with
+  ``server_lr = gamma``, ``x <- x - gamma g_G`` (Alg. 3 line 15, ``update.GlobalStep(gamma)``);
 * ``_light`` variants upload the aligned state low-rank by truncated SVD, keeping 5% (Muon,
   Sophia) or 10% (SOAP) of each matrix's rank, in Muon's matrix view (FedPAC (Liu et al.)
   Table 6, Table 11: 0.05|Theta| and 0.1|Theta|; what that costs, and how the tables count it:
-  ``fedorth.optim.compress``).
+  ``fedorth.optim.compress``) -- ``start.Global(mask=..., compression=light_ratio)``.
 
 FedPAC works over any Optax direction whose state is averageable (float leaves averaged, integer
 schedule counters shared, custom rules such as SOAP's registered with
@@ -38,9 +40,9 @@ Choices (what the boxes leave open):
   (``sophia.sophia_align_mask``). Muon: ``m`` of the matrix leaves averaged, the Adam fallback
   of the other leaves from ``init``. Upload and accounting: ``Theta`` only (SOAP
   ``|x| + sum(m^2 + n^2)``, Sophia ``2|x|``: Table 11).
-* ``aligned="state"`` (a fedorth extension, the behaviour before Theta-only alignment): the
-  whole float state is uploaded, averaged and warm-started (SOAP's m, v, L, R, Sophia's m, h,
-  the Adam fallback's moments; never SOAP's Q).
+* ``aligned="state"`` (a fedorth extension, ``start.Global()`` without a mask): the whole float
+  state is uploaded, averaged and warm-started (SOAP's m, v, L, R, Sophia's m, h, the Adam
+  fallback's moments; never SOAP's Q).
 * weight decay sits inside the bracket (Alg. 9 line 20); the preconditioner drift (Def. 1,
   Eq. 7) is measured over ``Theta`` in both modes (``federated.theta_mask``).
 """
@@ -83,7 +85,7 @@ def fedpac(
     """
     concrete = federated.is_concrete(beta)  # else a sweep's traced value: always corrects
     if concrete and not 0.0 <= beta <= 1.0:
-        raise ValueError(f"fed.beta={beta} must lie in [0, 1].")
+        raise ValueError(f"fed.options.beta={beta} must lie in [0, 1].")
     corrects = not concrete or beta > 0
     if aligned not in ALIGNED:
         raise ValueError(f"fed.options.aligned={aligned!r}; valid: {ALIGNED}.")

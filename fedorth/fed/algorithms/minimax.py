@@ -26,15 +26,18 @@ Mapping onto the engine (:class:`fedorth.fed.FedAlgorithm`):
 * the local optimizer is ``chain(track_gradient_mean, minimax_momentum, scale_by_minimax_step,
   ascend_dual, scale_by_round_learning_rate)``; the round's learning rate is ``eta_x`` and the
   dual's ``eta_y = dual_lr_ratio * eta_x`` (so schedules act on both);
-* ``g^(n)`` are the engine's persistent control variates (``control_variates="momentum"`` with
-  ``momentum_fn`` = the mean of the round's raw gradients); the engine passes
+* ``g^(n)`` are the engine's control variates, kept per client:
+  ``Corrections(control=FromState(read))`` with ``read`` the mean of the round's raw gradients
+  (:func:`fedorth.optim.minimax.gradient_mean`); the engine passes
   ``control_correction = g - g^(n)`` and keeps ``g <- g + (1/N) sum_{n in S}(g^(n)+ - g^(n))``,
   which is line 10 under full participation;
-* the global momentum ``(u, v)`` is ``ServerState.extra["global_momentum"]``, updated from the
-  clients' reported ``g^(n)`` (line 12) and passed to every local step as an extra argument;
-* line 11 is ``server_rule="global_step"`` (``-mean(dx) / (p eta_x)``) through a server optimizer
-  ``sgd(gamma_x)`` on primal and ``sgd(gamma_y / dual_lr_ratio)`` on dual leaves, i.e.
-  ``gamma_y / (p eta_y)`` on the dual.
+* the global momentum ``(u, v)`` is ``ServerState.extra["global_momentum"]``
+  (``ServerQuantities``), updated from the clients' reported ``g^(n)`` (``ClientReport``; line
+  12) and passed to every local step as an extra argument;
+* line 11 is ``update.GlobalStep(1.0)`` (``-mean(dx) / (p eta_x)``) through the server optimizer
+  :func:`fedorth.optim.minimax.minimax_server_tx`: ``sgd(gamma_x)`` on primal and
+  ``sgd(gamma_y / dual_lr_ratio)`` on dual leaves, i.e. ``gamma_y / (p eta_y)`` on the dual
+  (``server_lr=None``: ``update.Mean()`` with ``sgd(1)`` on both, plain averaging).
 
 Choices where the paper is silent or ambiguous (stated once here, repeated where they act):
 
@@ -88,7 +91,8 @@ FED_MINIMAX = "Fed minimax (Zhang & Gao, heavy-tailed federated minimax)"
 
 
 def _global_momentum_pieces(label_fn: LabelFn, beta_primal: float, beta_dual: float):
-    """``server_extra_init``/``client_report``/``server_extra_update`` of Alg. 1 line 12."""
+    """Alg. 1 line 12's global momentum: the ``init`` and ``update`` of its
+    ``ServerQuantities`` and the ``ClientReport`` function they read (the client's ``g^(n)``)."""
 
     def init(params):
         return {"global_momentum": jax.tree.map(jnp.zeros_like, params)}
@@ -165,16 +169,13 @@ def _nsgda_server(
         if dual_server_lr is not None:
             raise ValueError(f"{name}: fed.options.dual_server_lr needs fed.options.server_lr.")
         # gamma/(eta p) = 1 on both variables: plain averaging, whatever the round's eta.
-        server_rule, gx, gy, ratio_for_server = "mean", 1.0, 1.0, 1.0
+        rule, gx, gy, ratio_for_server = update.Mean(), 1.0, 1.0, 1.0
     else:
-        server_rule, gx = "global_step", server_lr
+        # gamma_x, gamma_y are the server optimizer's; GlobalStep(1.0) divides by K eta_r.
+        rule, gx = update.GlobalStep(1.0), server_lr
         gy = server_lr * dual_lr_ratio if dual_server_lr is None else dual_server_lr
         ratio_for_server = dual_lr_ratio
-    # gamma_x, gamma_y are the server optimizer's; GlobalStep(1.0) divides by K eta_r.
-    return update.ServerUpdate(
-        tx=minimax_server_tx(label_fn, gx, gy, ratio_for_server),
-        rule=update.GlobalStep(1.0) if server_rule == "global_step" else update.Mean(),
-    )
+    return update.ServerUpdate(tx=minimax_server_tx(label_fn, gx, gy, ratio_for_server), rule=rule)
 
 
 def fed_nsgda_family(

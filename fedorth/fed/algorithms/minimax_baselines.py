@@ -5,7 +5,8 @@ All share Fed minimax (Zhang & Gao)'s conventions (:mod:`fedorth.fed.algorithms.
 and dual leaves
 of one parameter tree (``dual_keys``), descent with the round's ``eta_x`` on ``x`` and ascent with
 ``eta_y = dual_lr_ratio * eta_x`` on ``y``, and a server step ``x <- x + gamma_x mean(dx)``,
-``y <- y + gamma_y mean(dy)`` (``server_lr``, ``dual_server_lr``; 1 = averaging).
+``y <- y + gamma_y mean(dy)`` (``server_lr``, ``dual_server_lr``; 1 = averaging): the rule
+``update.Mean()`` through the server optimizer :func:`fedorth.optim.minimax.minimax_server_tx`.
 
 The cited papers' algorithm boxes could not be consulted from this project's sources; each
 docstring says what is implemented, what is read from the paper's abstract/Fed minimax (Zhang &
@@ -19,14 +20,16 @@ and which choices are ours.
   optimization: improved convergence analyses and algorithms", ICML, the momentum-based local
   algorithm): ``d <- (1 - beta) d + beta grad`` on each variable, ``x <- x - eta_x d_x``,
   ``y <- y + eta_y d_y``; at synchronization both the models and the momenta are averaged
-  (``client_state="global"``). ``d_0`` is the first stochastic gradient. Sources:
+  (``start.Global()``). ``d_0`` is the first stochastic gradient. Sources:
   neither Sharma et al.'s box nor code could be found; all of this is unconfirmed.
 * ``fedsgda_m``: FedSGDA-M (Wu et al. 2023, "Solving a class of non-convex minimax optimization in
   federated learning", NeurIPS): local STORM estimators (Cutkosky & Orabona 2019; Fed minimax
   (Zhang & Gao) Sec. 2.3)
   ``v_{k+1} = grad f(x_{k+1}; xi) + (1 - alpha)(v_k - grad f(x_k; xi))`` with the same sample at
   both points, averaged with the models at synchronization; the first step of a round uses the
-  averaged estimator, the very first step ``v_0 = grad f(x_0; xi_0)``. Sources: the
+  averaged estimator, the very first step ``v_0 = grad f(x_0; xi_0)``
+  (``start.Global(mask=storm_aggregate_mask)``: the estimator and the step count are averaged,
+  the rest restarts each round). Sources: the
   first author's repository for this paper,
   xidongwu/Federated-Minimax-and-Conditional-Stochastic-Optimization (``Fair
   Classification/FSGDA.py``, commit ad55f9a), holds FedSGDA without an estimator (SGD on ``x``;
@@ -39,7 +42,8 @@ and which choices are ours.
   stochastic gradient estimators from randomly sampled clients as control variates and leverages
   two learning rates on both server and client sides" (abstract). Each round, every sampled
   client ``i`` first computes a stochastic gradient ``q_i`` at the server point ``(x_t, y_t)`` on
-  a fresh mini-batch of the usual size and sends it (the engine's ``client_prepass``); the
+  a fresh mini-batch of the usual size and sends it (the engine's pre-pass,
+  ``Corrections(prepass=Prepass(fn, floats=1.0))``); the
   server averages them, ``v = mean_{i in S_t} q_i``, and sends ``v`` back; then client ``i`` runs
   ``K`` local steps along ``grad f_i(x, y; xi) - q_i + v`` (descent with ``eta_x`` on ``x``,
   ascent with ``eta_y`` on ``y``) and the server steps ``x <- x + gamma_x mean(dx)``,

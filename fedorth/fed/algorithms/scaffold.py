@@ -17,13 +17,17 @@ the round's raw gradients: with ``y_i^K = x - eta sum_k (g_k - c_i + c)``,
 ``c_i - c + (x - y_i^K)/(K eta) = (1/K) sum_k g_k``. Option II's formula itself would, under
 momentum 0.9, return the mean momentum buffer, 4-8x the gradient (measured), and the next
 round's correction ``c - c_i`` would then overshoot. ``control="option_ii"`` keeps the literal
-formula; ``"auto"`` (default) uses it with plain SGD only (``optim.name="sgd"``, no momentum),
-where the two agree up to rounding when there is no weight decay (option II's mean then
-includes the decoupled ``lambda y``, the gradient of the regularized objective).
+formula (``Corrections(control=OptionII())``); ``"gradient_mean"`` reads the mean of the round's
+raw gradients from the final state (``Corrections(control=FromState(running_mean_of))``, with a
+round counter in ``ServerState.extra``); ``"auto"`` (default) uses option II with plain SGD
+only (``optim.name="sgd"``, no momentum), where the two agree up to rounding when there is no
+weight decay (option II's mean then includes the decoupled ``lambda y``, the gradient of the
+regularized objective).
 
 FedMuon-LMO's presets also take its Alg. 3/4 server step ``X <- (n-S)/n X + 1/n sum_i X_i``
-(``server_rule="partial"``) and keep each client's optimizer state between the rounds it joins
-(``client_state="persistent"``, its Alg. 4 line 5), like the other methods of its table.
+(``fed.options.server_rule="partial"``: ``update.Partial()``) and keep each client's optimizer
+state between the rounds it joins (``fed.options.client_state="persistent"``:
+``start.Persistent()``, its Alg. 4 line 5), like the other methods of its table.
 """
 
 from __future__ import annotations
@@ -86,9 +90,11 @@ def scaffold(
       server_rule: ``"mean"`` or ``"partial"`` (``x <- x + eta_g (S/N) mean_i(y_i - x)``).
     """
     if control not in CONTROLS:
-        raise ValueError(f"fed.control={control!r}; valid: {CONTROLS}.")
+        raise ValueError(f"fed.options.control={control!r}; valid: {CONTROLS}.")
     if client_state not in ("reset", "persistent"):
-        raise ValueError(f"fed.client_state={client_state!r}; valid: ('reset', 'persistent').")
+        raise ValueError(
+            f"fed.options.client_state={client_state!r}; valid: ('reset', 'persistent')."
+        )
     opt, weight_decay, hp = local.split_optim(optim)
     if control == "auto":
         stateless = opt == "sgd" and not hp.get("momentum", 0.0)
