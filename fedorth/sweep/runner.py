@@ -71,6 +71,8 @@ from fedorth.train.validate import validate
 
 SWEEP_FILE = "sweep.json"
 DIVERGED_FILE = "diverged.json"
+LOCK_FILES = 2
+"""Open files a replica folder's lock holds (``fedorth.train.workdir.WorkdirLock``)."""
 GRID_KEY = "sweep_grid"
 """The key of the grid (``[[key, values], ...]``, in order) in a sweep's identity."""
 
@@ -282,13 +284,16 @@ def check_size(config: ml_collections.ConfigDict, grid: Grid, stream) -> None:
             "--workdir per sweep)."
         )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = count + 256  # one lock per replica folder, and the files a run opens
+    # Each replica folder's lock holds LOCK_FILES descriptors (the folder and its run.lock); the
+    # rest is for the files a run opens.
+    wanted = LOCK_FILES * count + 256
     if wanted > soft:
         if hard != resource.RLIM_INFINITY and wanted > hard:
             raise SweepError(
-                f"the grid of {count} replicas needs {count} open lock files (one per replica "
-                f"folder), more than this process may open ({hard}, ulimit -Hn): split it into "
-                f"sweeps of at most {max(hard - 256, 1)} replicas (one --workdir per sweep)."
+                f"the grid of {count} replicas needs {LOCK_FILES * count} open files for the "
+                f"locks of its replica folders, more than this process may open ({hard}, "
+                f"ulimit -Hn): split it into sweeps of at most {(hard - 256) // LOCK_FILES} "
+                "replicas (one --workdir per sweep)."
             )
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
