@@ -23,7 +23,6 @@ from test_reliability import (
     assert_documented,
     cli_env,  # noqa: F401 -- a fixture
     run_tiny_cli,
-    small_disk,  # noqa: F401 -- a fixture
     tiny_reference,  # noqa: F401 -- a fixture
 )
 
