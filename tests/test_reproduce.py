@@ -262,8 +262,7 @@ def test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command(tmp
     column = reproduce._slug(reproduce._small_name(TABLES["fedpac:table1"].columns[0]))
     run = _Command(reduced, cache)
     run.wait_for(workdir / "reduced_rounds=3" / "FedAvg" / column / "seed=42" / "metrics.jsonl")
-    # Signalled while the first sweep runs its rounds (it prints round 1 there), the case this
-    # test is about; Ctrl-C while a sweep sets up is tests/test_sweep.py's.
+    # Signalled while the first sweep runs its rounds (it prints round 1 there).
     run.wait_for_line("round 1/3")
     run.process.send_signal(signal.SIGINT)
     code, _, err = run.finish()
