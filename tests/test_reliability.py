@@ -382,6 +382,13 @@ def test_divergence_stops_at_the_round_and_keeps_the_last_good_checkpoint(tmp_pa
     for leaf in jax.tree.leaves(restored.replace(key=jax.random.key_data(restored.key))):
         assert np.all(np.isfinite(np.asarray(leaf)))
     assert_documented(DIVERGENCE, message, tmp_path)
+    # The folder says so, as a sweep's diverged replica does: experiments.report reads it.
+    from experiments import report
+
+    marker = json.loads((workdir / "diverged.json").read_text())
+    assert marker["round"] == 2 and "train_loss" in marker["quantity"], marker
+    status = report.load_run(workdir).status
+    assert status is not None and status.startswith("diverged at round 2"), status
 
 
 def test_divergence_in_parameters_or_state_names_the_leaf(tmp_path):

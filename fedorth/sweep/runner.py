@@ -70,7 +70,7 @@ from fedorth.train.logging_utils import MetricsWriter, Progress, format_duration
 from fedorth.train.validate import validate
 
 SWEEP_FILE = "sweep.json"
-DIVERGED_FILE = "diverged.json"
+DIVERGED_FILE = loop.DIVERGED_FILE
 LOCK_FILES = 2
 """Open files a replica folder's lock holds (``fedorth.train.workdir.WorkdirLock``)."""
 GRID_KEY = "sweep_grid"

@@ -349,11 +349,35 @@ def _check_finite(
         if last is not None
         else "no checkpoint was saved before it"
     )
-    raise DivergenceError(
+    raise _diverged(
+        round_index,
+        quantity,
         f"Diverged at round {round_index}: {quantity}. Nothing of round {round_index} was "
         f"written or saved; {kept}. Lower optim.learning_rate or add clipping, and use a new "
-        "--workdir (this one keeps the rounds before the divergence)."
+        "--workdir (this one keeps the rounds before the divergence).",
     )
+
+
+DIVERGED_FILE = "diverged.json"
+
+
+def _diverged(round_index: int, quantity: str, message: str) -> DivergenceError:
+    """A :class:`DivergenceError` that also carries the round and the quantity, which
+    :func:`run` writes to the run folder's ``diverged.json`` (as a sweep's diverged replica
+    has), so that ``experiments.report`` calls the run diverged."""
+    error = DivergenceError(message)
+    error.round_index, error.quantity = round_index, quantity
+    return error
+
+
+def _mark_diverged(workdir: pathlib.Path, error: DivergenceError) -> None:
+    if jax.process_index() != 0 or not hasattr(error, "round_index"):
+        return
+    marker = {"round": error.round_index, "quantity": error.quantity}
+    try:
+        _write_atomic(workdir / DIVERGED_FILE, json.dumps(marker) + "\n")
+    except OSError:  # the divergence is the message; a full disk must not hide it
+        pass
 
 
 def run(
@@ -377,10 +401,16 @@ def run(
     workdir = workdir_lib.resolve(workdir)
     lock = workdir_lib.lock_for_all_processes(workdir, jax.process_index(), jax.process_count())
     try:
-        return _run_locked(config, workdir, overwrite)
+        row = _run_locked(config, workdir, overwrite)
+    except DivergenceError as error:
+        _mark_diverged(workdir, error)
+        raise
     finally:
         if lock is not None:
             lock.release()
+    if jax.process_index() == 0:  # finished: a divergence of an earlier try no longer holds
+        (workdir / DIVERGED_FILE).unlink(missing_ok=True)
+    return row
 
 
 def _refuse_replica_folder(workdir: pathlib.Path) -> None:
@@ -746,10 +776,12 @@ def _train_rounds(
                 bad = [k for k, v in row.items() if not math.isfinite(v)]
                 if bad:
                     plotter.wait()
-                    raise DivergenceError(
+                    raise _diverged(
+                        round_index,
+                        f"{bad[0]} is {row[bad[0]]}",
                         f"Diverged at round {round_index}: {bad[0]} is {row[bad[0]]} "
                         "although the parameters are finite. Nothing of this round was "
-                        "written or saved; lower optim.learning_rate or add clipping."
+                        "written or saved; lower optim.learning_rate or add clipping.",
                     )
                 with _disk_space(metrics_path, len(json.dumps(row)) + 1, checkpointer):
                     writer.write(row)
