@@ -96,26 +96,16 @@ def flags_parser(argv: list[str]) -> list[str]:
     return train.flags_parser(argv)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (what schedulers send before killing a job) outside the rounds: handled as
-    Ctrl-C; during the rounds the loop saves the round in progress first."""
-
-    signum = signal.SIGTERM
-
-
-def _terminate(signum, frame):
-    raise _Terminated
-
-
 def main(argv):
     from fedorth import train
     from fedorth.train.checkpoint import drop_abandoned_io_reports
     from fedorth.train.logging_utils import ClosedOutputSafe, exit_now
+    from fedorth.train.loop import stop_on_sigterm
 
     drop_abandoned_io_reports()  # a corrupted checkpoint's or full disk's report stays one line
     # A reader that goes away (`... | head`) must not stop the run: its files are its result.
     sys.stdout, sys.stderr = ClosedOutputSafe(sys.stdout), ClosedOutputSafe(sys.stderr)
-    signal.signal(signal.SIGTERM, _terminate)
+    stop_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the run's own handling from here
 
     if len(argv) > 1:

@@ -471,16 +471,6 @@ def listing() -> str:
     return "\n".join(lines)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C: the sweep in progress stops, saved where it checkpointed."""
-
-    signum = signal.SIGTERM
-
-
-def _terminate(signum, frame):
-    raise _Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__)
     parser.add_argument("table", nargs="?", help=f"one of {sorted(TABLES)}")
@@ -514,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = run_folder(table, args.scale, workdir, seeds, args.rounds)
     from fedorth import train
     from fedorth.sweep import SweepError
+    from fedorth.train.loop import stop_on_sigterm
 
-    signal.signal(signal.SIGTERM, _terminate)
+    stop_on_sigterm()  # SIGTERM as Ctrl-C: the sweep in progress stops, saved
     try:
         results = run_table(
             table, args.scale, workdir, seeds=seeds, rounds=args.rounds, methods=methods

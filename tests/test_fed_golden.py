@@ -462,7 +462,7 @@ def check_case(case: str) -> dict:
         assert len(other) == len(reference), strategy
         for a, b in zip(reference, other, strict=True):
             if jnp.issubdtype(a.dtype, jnp.floating):
-                np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-4, err_msg=strategy)
+                np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=strategy)
             else:
                 np.testing.assert_array_equal(a, b, err_msg=strategy)
     where = platform(lapack)
