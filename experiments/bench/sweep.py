@@ -18,6 +18,7 @@ compute dtype (``model.dtype``). Compilation and a first round are excluded from
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import subprocess
@@ -68,21 +69,51 @@ def cpu_section(rounds: int | None) -> dict:
     }
 
 
-def _random_cifar100(config, seed):
-    """Random inputs of CIFAR-100's shapes (the same for every seed, as the dataset is), split
-    into clients by each replica's seed."""
-    import numpy as np
+def _random_data(workload):
+    """``build_data(config, seed)`` for the workload's random inputs (the same for every seed, as
+    a dataset is), split into ``data.num_clients`` IID clients by each replica's seed."""
 
-    from fedorth.data import make_federated
-    from fedorth.data import partition as partition_lib
+    def build_data(config, seed):
+        import numpy as np
 
-    rng = np.random.default_rng(0)
-    clients = int(config.data.num_clients)
-    total = clients * 500  # CIFAR-100's 50k training images over 100 clients
-    x = rng.standard_normal((total, 32, 32, 3)).astype(np.float32)
-    y = rng.integers(0, 100, total).astype(np.int32)
-    parts = partition_lib.partition("iid", y, clients, seed=seed)
-    return make_federated(x, y, x[:500], y[:500], parts, "cifar100", 100)
+        from fedorth.data import make_federated
+        from fedorth.data import partition as partition_lib
+
+        rng = np.random.default_rng(0)
+        clients = int(config.data.num_clients)
+        total = clients * 500  # CIFAR-100's 50k training images over 100 clients
+        x = rng.standard_normal((total, *workload.input_shape)).astype(np.float32)
+        y = rng.integers(0, workload.num_classes, total).astype(np.int32)
+        parts = partition_lib.partition("iid", y, clients, seed=seed)
+        return make_federated(x, y, x[:500], y[:500], parts, "random", workload.num_classes)
+
+    return build_data
+
+
+# The workloads a GPU sweep measures: the papers' ResNet-18 (one run already fills a GPU) and the
+# small models of experiments/bench/workloads.py, where one run leaves the GPU idle.
+GPU_WORKLOADS = ("resnet18_cifar100", "mlp", "lenet5", "cnn")
+
+
+def _workload_config(name: str, dtype: str):
+    """configs/fedavg.py's CIFAR-100 ResNet-18 preset (S = 10, K = 50, B = 50), or for a small
+    workload its model on random inputs at S = 10, K = 10, B = 50."""
+    from configs import fedavg
+    from experiments.bench.workloads import WORKLOADS
+
+    workload = WORKLOADS[name]
+    config = fedavg.get_config("cifar100_resnet18")
+    if name != "resnet18_cifar100":
+        config.model = type(config.model)({"name": workload.model, **dict(workload.kwargs)})
+        config.fed.local_steps = 10
+    config.model.dtype = dtype
+    config.data.augment = False  # random inputs: the crop/flip adds nothing to measure
+    return workload, config
+
+
+def _build_on(build_data, builders, config):
+    with mock.patch.object(builders, "build_data", build_data):
+        return builders.build(config)
 
 
 def gpu_section(
@@ -91,53 +122,74 @@ def gpu_section(
     timed_rounds: int,
     conv_impl: str = "matmul",
     on_row=None,
+    workloads: tuple[str, ...] = ("resnet18_cifar100",),
 ) -> list[dict]:
-    """Replica-rounds/s of R vmapped replicas and of one run, per dtype.
+    """Replica-rounds/s of R vmapped replicas and of one run, per workload and dtype.
 
-    One run keeps the GPU's native convolutions (``model.conv_impl="auto"``: ``lax``, one client
-    at a time); the vmapped replicas use ``conv_impl`` (default im2col + dot, ``"matmul"``):
-    vmapped native convolutions with per-replica weights become grouped convolutions, which ran
-    at 0.38x on an H100 (fedorth.fed.round), while vmapped im2col ones become batched matmuls.
-    ``on_row(rows)`` is called after each dtype with the rows so far (a run cut off by a time
-    limit keeps them).
+    ResNet-18's one run keeps the GPU's native convolutions (``model.conv_impl="auto"``:
+    ``lax``) and runs its clients one at a time (``sequential``, its fastest on an H100,
+    fed.round's docstring); the vmapped replicas use ``conv_impl`` (default im2col + dot,
+    ``"matmul"``): vmapped native convolutions with per-replica weights become grouped
+    convolutions, which ran at 0.38x on an H100, while vmapped im2col ones become batched
+    matmuls. A small workload's one run is timed with its clients vmapped and sequential, and the
+    faster is the one run's figure (what ``fed.strategy=auto`` would pick). ``on_row(rows)`` is
+    called after each row with the rows so far (a run cut off by a time limit keeps them).
     """
     import jax
 
-    from configs import fedavg
     from fedorth.sweep import Grid, ReplicaRound
     from fedorth.train import builders
 
-    def build(config):
-        with mock.patch.object(builders, "build_data", _random_cifar100):
-            return builders.build(config)
+    def timed(round_):
+        states = round_.initial_states()
+        states, _ = round_(states)  # compiles
+        jax.block_until_ready(states)
+        start = time.perf_counter()
+        for _ in range(timed_rounds):
+            states, _ = round_(states)
+        jax.block_until_ready(states)
+        return len(round_.replicas) * timed_rounds / (time.perf_counter() - start)
 
     out = []
-    for dtype in dtypes:
-        config = fedavg.get_config("cifar100_resnet18")
-        config.model.dtype = dtype
-        config.data.augment = False  # random inputs: the crop/flip adds nothing to measure
-        config.fed.strategy = "sequential"  # one run's fastest on an H100 (fed.round docstring)
-        single = ReplicaRound.from_grid(
-            Grid(config, {"seed": [42]}), strategy="sequential", build=build
-        )
-        config.model.conv_impl = conv_impl
-        grid = Grid(config, {"seed": list(range(42, 42 + replicas))})
-        many = ReplicaRound.from_grid(grid, strategy="vmap", build=build)
-        rates = {}
-        for name, round_ in (("one run", single), (f"{replicas} replicas vmapped", many)):
-            states = round_.initial_states()
-            states, _ = round_(states)  # compiles
-            jax.block_until_ready(states)
-            start = time.perf_counter()
-            for _ in range(timed_rounds):
-                states, _ = round_(states)
-            jax.block_until_ready(states)
-            seconds = time.perf_counter() - start
-            rates[name] = len(round_.replicas) * timed_rounds / seconds
-        one, vmapped = rates.values()
-        out.append({"dtype": dtype, "replica_rounds_per_s": rates, "ratio": vmapped / one})
-        if on_row is not None:
-            on_row(out)
+    for name in workloads:
+        for dtype in dtypes:
+            workload, config = _workload_config(name, dtype)
+
+            build = functools.partial(_build_on, _random_data(workload), builders)
+
+            singles = {}
+            for strategy in (
+                ("sequential",) if name == "resnet18_cifar100" else ("vmap", "sequential")
+            ):
+                config.fed.strategy = strategy
+                single = ReplicaRound.from_grid(
+                    Grid(config, {"seed": [42]}), strategy="sequential", build=build
+                )
+                singles[strategy] = timed(single)
+            if workload.conv:
+                config.model.conv_impl = conv_impl
+            config.fed.strategy = "vmap" if name != "resnet18_cifar100" else "sequential"
+            grid = Grid(config, {"seed": list(range(42, 42 + replicas))})
+            many = timed(ReplicaRound.from_grid(grid, strategy="vmap", build=build))
+            best = max(singles, key=singles.get)
+            out.append(
+                {
+                    "workload": name,
+                    "dtype": dtype,
+                    "clients_per_round": int(config.fed.clients_per_round),
+                    "local_steps": int(config.fed.local_steps),
+                    "batch_size": int(config.fed.batch_size),
+                    "replicas": replicas,
+                    "one_run_strategy": best,
+                    "replica_rounds_per_s": {
+                        **{f"one run ({k})": v for k, v in singles.items()},
+                        f"{replicas} replicas vmapped": many,
+                    },
+                    "ratio": many / singles[best],
+                }
+            )
+            if on_row is not None:
+                on_row(out)
     return out
 
 
@@ -150,6 +202,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="gpu: model.dtype values")
     parser.add_argument("--timed_rounds", type=int, default=3, help="gpu: rounds timed")
     parser.add_argument("--conv_impl", default="matmul", help="gpu: the replicas' convolutions")
+    parser.add_argument(
+        "--workloads",
+        default="resnet18_cifar100",
+        help=f"gpu: comma-separated, of {','.join(GPU_WORKLOADS)}",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     return parser.parse_args(argv)
 
@@ -174,19 +231,38 @@ def main(argv: list[str]) -> int:
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     else:
-        print("| dtype | one run (replica-rounds/s) | vmapped replicas | ratio |", flush=True)
-        print("| --- | --- | --- | --- |", flush=True)
+        workloads = tuple(args.workloads.split(","))
+        unknown = sorted(set(workloads) - set(GPU_WORKLOADS))
+        if unknown:
+            print(f"--workloads: unknown {unknown}; known: {','.join(GPU_WORKLOADS)}")
+            return 2
+        print(
+            "| workload | dtype | S x K, B | one run (replica-rounds/s, its faster strategy) "
+            "| vmapped replicas | ratio |",
+            flush=True,
+        )
+        print("| --- | --- | --- | --- | --- | --- |", flush=True)
 
         def on_row(rows):
-            one, many = rows[-1]["replica_rounds_per_s"].values()
+            row = rows[-1]
+            *_, many = row["replica_rounds_per_s"].values()
+            one = row["replica_rounds_per_s"][f"one run ({row['one_run_strategy']})"]
             print(
-                f"| {rows[-1]['dtype']} | {one:.3f} | {many:.3f} | {rows[-1]['ratio']:.2f}x |",
+                f"| {row['workload']} | {row['dtype']} | {row['clients_per_round']} x "
+                f"{row['local_steps']}, {row['batch_size']} | {one:.3f} "
+                f"({row['one_run_strategy']}) | {many:.3f} ({row['replicas']}) "
+                f"| {row['ratio']:.2f}x |",
                 flush=True,
             )
             if args.json:
                 pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
 
         gpu_section(
-            args.replicas, args.dtypes.split(","), args.timed_rounds, args.conv_impl, on_row
+            args.replicas,
+            args.dtypes.split(","),
+            args.timed_rounds,
+            args.conv_impl,
+            on_row,
+            workloads,
         )
     return 0
