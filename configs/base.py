@@ -61,6 +61,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.eval_batch_size = 512
     config.checkpoint_every = 20  # rounds between orbax checkpoints (0: only at the end)
     config.log_condition_number = False  # FedMuon (Liu et al.) Figure 4: kappa of weight matrices
+    # Experiment trackers besides metrics.jsonl (always written), comma-separated:
+    # "tensorboard" (WORKDIR/tensorboard), "mlflow" (the [mlflow] extra; fedorth.train.trackers).
+    config.trackers = "tensorboard"
+    config.mlflow_uri = ""  # "": sqlite:///<workdir's parent>/mlflow.db; or http(s)://HOST:PORT
+    config.mlflow_experiment = "fedorth"
     config.spectral_drift = (
         False  # FedPAC (Liu et al.) Figure 3: spectral-norm preconditioner drift
     )

@@ -69,8 +69,9 @@ import numpy as np
 
 # Generic algorithms whose local optimizer is a free choice: their label names it.
 _GENERIC = ("fedavg", "fedavgm", "fedadam", "scaffold", "fedcm", "fedpac")
-# Config fields that do not define a run's setting (seeds are aggregated; paths are local).
-_IGNORED = ("seed", "data.data_dir")
+# Config fields that do not define a run's setting (seeds are aggregated; paths are local; where
+# the outputs are tracked: fedorth.train.trackers.OUTPUT_KEYS, not imported: it loads JAX).
+_IGNORED = ("seed", "data.data_dir", "trackers", "mlflow_uri", "mlflow_experiment")
 # The partitioners' second names (fedorth.data.partition.PARTITIONERS, not imported: it loads
 # JAX), so that a config naming either is the same setting.
 _PARTITION_ALIASES = {"dirichlet": "dirichlet_label_split", "dirichlet_hsu": "dirichlet_client_mix"}

@@ -13,9 +13,20 @@ nor for comparisons with golden values recorded at the default level.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+
+
+def rewrite_doc_section(doc: pathlib.Path, section: str, body: str) -> None:
+    """Replaces the ``section`` heading's part of ``doc`` (up to the next ``## ``) with
+    ``section`` + ``body``, or appends it: the generated sections of docs/ERRORS.md."""
+    text = doc.read_text()
+    parts = text.split("\n" + section + "\n")
+    rest = parts[1].split("\n## ", 1)[1] if len(parts) > 1 and "\n## " in parts[1] else None
+    new = section + "\n" + body
+    doc.write_text(parts[0].rstrip("\n") + "\n\n" + new + ("\n## " + rest if rest else ""))

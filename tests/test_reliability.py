@@ -1316,10 +1316,10 @@ test cases by `python tests/test_reliability.py`; `test_errors_doc_is_current` a
 From the command line (`python -m experiments.main ...`) these are printed as one message,
 without a traceback, and the exit code is 2 for a bad config or `--workdir` and 1 for the others
 (`fedorth.train.USER_ERRORS`); a run stopped by Ctrl-C exits with 130, by SIGTERM with 143. From
-Python, `train.run` raises `ConfigError` (a `ValueError`), `WorkdirError` (a `ValueError`),
-`DatasetNotPreparedError`, `DivergenceError`, `WorkdirConflictError`, `WorkdirLockedError`,
-`CheckpointError` or `DiskFullError` (an `OSError`), and `RunInterrupted` (a
-`KeyboardInterrupt`) when a signal stopped it.
+Python, `train.run` raises `ConfigError`, `WorkdirError` and `TrackerError` (each a
+`ValueError`), `DatasetNotPreparedError`, `DivergenceError`, `WorkdirConflictError`,
+`WorkdirLockedError`, `CheckpointError` or `DiskFullError` (an `OSError`), and `RunInterrupted`
+(a `KeyboardInterrupt`) when a signal stopped it.
 
 Config values are checked by `fedorth.train.validate` before anything is loaded or compiled;
 every problem is listed at once, one per line. The fields are those of `configs/base.py` (the

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import rewrite_doc_section
 from test_reliability import apply
 
 from experiments import report
@@ -515,12 +516,8 @@ def write_doc() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             _, message = _message(pathlib.Path(tmp), make, args)
             rows_.append(_doc_row(description, message, pathlib.Path(tmp)))
-    section = SECTION + "\n" + INTRO + "| bad input | message |\n| --- | --- |\n"
-    section += "\n".join(rows_) + "\n"
-    text = DOC.read_text()
-    parts = text.split("\n" + SECTION + "\n")
-    rest = parts[1].split("\n## ", 1)[1] if len(parts) > 1 and "\n## " in parts[1] else None
-    DOC.write_text(parts[0].rstrip("\n") + "\n\n" + section + ("\n## " + rest if rest else ""))
+    body = INTRO + "| bad input | message |\n| --- | --- |\n" + "\n".join(rows_) + "\n"
+    rewrite_doc_section(DOC, SECTION, body)
 
 
 INTRO = """

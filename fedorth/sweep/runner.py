@@ -64,6 +64,7 @@ from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
 from fedorth.train import builders, loop, plots
 from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer
 from fedorth.train.logging_utils import MetricsWriter, Progress, format_duration
@@ -435,15 +436,35 @@ def _run_locked(
     checkpointer = Checkpointer(
         workdir, every=int(config.get("checkpoint_every", 0)), config=sweep_identity(config, grid)
     )
-    writers = [MetricsWriter(folder) for folder in folders]
+    # Each replica is a run of the trackers, under the sweep's parent run (MLflow).
+    parent = trackers_lib.make_parent(config, workdir)
+    if parent is not None:
+        trackers_lib.Composite([parent]).start(config.to_dict(), [])
+    writers = []
+    for folder, values in zip(folders, replicas, strict=True):
+        replica_config = grid.replica_config(values)
+        writers.append(
+            MetricsWriter(
+                folder,
+                tensorboard="tensorboard" in trackers_lib.names(config),
+                trackers=trackers_lib.make(replica_config, folder, parent=parent),
+                config=replica_config.to_dict(),
+            )
+        )
     sweep = _Sweep(config, replica_round, folders, writers, checkpointer, stream)
     signals = loop._Signals()
+    finished = False
     try:
         with signals:
             rows = sweep.run(plan, had_rows, signals)
+        for writer, folder in zip(writers, folders, strict=True):
+            writer.finish(trackers_lib.finished_files(folder))
+        finished = True
     finally:
         for writer in writers:
             writer.close()
+        if parent is not None:
+            trackers_lib.Composite([parent]).close(finished)
         checkpointer.close()
     sweep.summary(rows)
     return rows

@@ -8,6 +8,7 @@ from fedorth.train.loop import (  # noqa: F401
     WorkdirConflictError,
     run,
 )
+from fedorth.train.trackers import TrackerError  # noqa: F401
 from fedorth.train.validate import (  # noqa: F401
     ConfigError,
     drop_keys_of_another_model,

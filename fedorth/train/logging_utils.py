@@ -95,7 +95,25 @@ class MetricsWriter:
       WorkdirError: ``workdir/tensorboard`` exists and is not a folder.
     """
 
-    def __init__(self, workdir: pathlib.Path):
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        *,
+        tensorboard: bool = True,
+        trackers: Any = None,
+        config: dict[str, Any] | None = None,
+    ):
+        """Args:
+        workdir: the run's folder.
+        tensorboard: write TensorBoard's events (``config.trackers`` names ``tensorboard``).
+        trackers: a :class:`fedorth.train.trackers.Composite` of the other trackers, told the
+          run's ``config`` and rows too.
+        config: the run's config, for the trackers.
+        """
+        self.tensorboard = tensorboard
+        self.trackers = trackers
+        self.config = config or {}
+        self._finished = False
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.logdir = pathlib.Path(workdir) / "tensorboard"
         if self.logdir.exists() and not self.logdir.is_dir():
@@ -155,7 +173,10 @@ class MetricsWriter:
             # Write then rename (a kill during the rewrite must not lose the kept rows); the
             # rename replaces a link in the place of the file, never its target.
             write_atomic(self.path, text)
-        self._rewrite_events(kept_rows)
+        if self.tensorboard:
+            self._rewrite_events(kept_rows)
+        if self.trackers is not None:
+            self.trackers.start(self.config, kept_rows)
         return kept_rows
 
     def _rebuild_from_events(
@@ -201,13 +222,25 @@ class MetricsWriter:
         if self._tb is not None:
             _add_scalars(self._tb, row)
             self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log_scalars(row)
+
+    def finish(self, files) -> None:
+        """The run has finished: its ``files`` go to the trackers."""
+        self._finished = True
+        if self.trackers is not None:
+            self.trackers.log_files(files)
 
     def close(self) -> None:
         """Writes TensorBoard's pending events (tensorboardX's ``flush`` does not wait for its
-        writer thread; events otherwise reach the file within ``flush_secs``)."""
+        writer thread; events otherwise reach the file within ``flush_secs``), and ends the
+        trackers' run (finished, or stopped)."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self.trackers is not None:
+            self.trackers.close(self._finished)
+            self.trackers = None
 
 
 def _ranges(rounds: list[int]) -> str:

@@ -59,6 +59,7 @@ from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
 from fedorth.train import builders, plots
 from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
 from fedorth.train.logging_utils import MetricsWriter, Progress
@@ -103,6 +104,7 @@ USER_ERRORS = (
     DivergenceError,
     CheckpointError,
     fed.RoundOutOfMemoryError,
+    trackers_lib.TrackerError,
 )
 """Errors caused by the input, not by fedorth: the CLI prints their message without a traceback."""
 
@@ -178,8 +180,12 @@ _write_atomic = workdir_lib.write_atomic  # never through a symbolic link
 
 
 def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """What differs between two configs, one line per key; where the outputs are tracked
+    (``trackers_lib.OUTPUT_KEYS``) is not part of a run, so a run can resume with others."""
     out = []
     for key in sorted(set(old) | set(new)):
+        if not prefix and key in trackers_lib.OUTPUT_KEYS:
+            continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
             out += _config_differences(a, b, f"{prefix}{key}.")
@@ -469,7 +475,14 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     workdir_lib.refuse_links(files)  # a received folder's links are data, not places to write
     with _disk_space(files / "config.json", None, None):
         _prepare_workdir(config, files, overwrite)
-    writer = MetricsWriter(files)  # refuses a file in the place of tensorboard/ at once
+    # Refuses a file in the place of tensorboard/ at once; the trackers' store is reached here,
+    # before anything trains. One process reports to them.
+    writer = MetricsWriter(
+        files,
+        tensorboard="tensorboard" in trackers_lib.names(config),
+        trackers=trackers_lib.make(config, files) if jax.process_index() == 0 else None,
+        config=config.to_dict(),
+    )
     experiment = builders.build(config)
     server = builders.init_server(experiment)
     # fed.strategy="auto" on one accelerator times a round of each candidate here, on copies of
@@ -493,6 +506,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
             row = _train_rounds(
                 config, files, experiment, server, checkpointer, rounds, eval_every, writer, signals
             )
+            writer.finish(trackers_lib.finished_files(files))
         finally:
             writer.close()  # TensorBoard's last events reach the file
             checkpointer.close()

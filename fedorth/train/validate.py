@@ -46,7 +46,7 @@ from fedorth import fed, models
 from fedorth.fed import local
 from fedorth.models.layers import MODEL_DTYPES
 from fedorth.optim.newton_schulz import NS_DTYPES
-from fedorth.train import builders
+from fedorth.train import builders, trackers
 from fedorth.train.builders import ConfigError
 
 _UNIT_OPTIONS = ("alpha", "beta")  # algorithm weights: a convex combination, in [0, 1]
@@ -278,6 +278,8 @@ def _check_fed(c: _Checker, config) -> None:
 
 def _check_top_level(c: _Checker, config) -> None:
     c.integer("seed", config.get("seed"), 0, 2**32 - 1)
+    for problem in trackers.check(config):
+        c.fail(problem)
     for key, low in _TOP_LEVEL_INTS.items():
         if key in config:
             c.integer(key, config[key], low)
