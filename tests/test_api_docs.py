@@ -42,6 +42,7 @@ KEY_NAMES = [
     ("fedorth/fed.html", "init_server"),
     ("fedorth/fed.html", "FedAlgorithm"),
     ("fedorth/fed.html", "RoundConfig"),
+    ("fedorth/fed.html", "RoundContext"),
     ("fedorth/fed/local.html", "DIRECTIONS"),
     ("fedorth/models.html", "get_model"),
     ("fedorth/models.html", "Model"),

@@ -501,7 +501,7 @@ def test_aggregate_delta_hook_mean_is_fedavg():
         base,
         server=dataclasses.replace(
             base.server,
-            combine=lambda server, deltas_C, reports_C: jax.tree.map(
+            combine=lambda ctx, deltas_C, reports_C: jax.tree.map(
                 fed_optim.mean_over_clients, deltas_C
             ),
         ),

@@ -177,8 +177,8 @@ def test_prepass_per_client_hands_out_the_own_results_only_when_asked(x64, per_c
         seen.update(k for k in extra if k.startswith("q"))
         return jax.tree.map(lambda q: -LR * q, extra["q_mean"]), state
 
-    def prepass(ctx):
-        return {"q": ctx["grad_fn"](ctx["params"])}
+    def prepass(ctx, client):
+        return {"q": client.grad_fn(ctx.params)}
 
     algorithm = fed.FedAlgorithm(
         name="mean_of_prepass",

@@ -516,10 +516,10 @@ def test_server_extra_reaches_clients_and_is_updated_from_reports():
         ),
         quantities=fed.quantities.ServerQuantities(
             init=lambda p: {"last_delta": jax.tree.map(jnp.zeros_like, p)},
-            update=lambda server, reports, lr: {"last_delta": reports["delta"]},
+            update=lambda ctx, new, reports: {"last_delta": reports["delta"]},
         ),
         report=fed.quantities.ClientReport(
-            lambda ctx: {"delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])},
+            lambda ctx, client: {"delta": client.delta},
             floats=1.0,
         ),
     )

@@ -28,7 +28,7 @@ from experiments.bench.measure import compile_counter
 from experiments.bench.workloads import Case, build_model
 from fedorth import fed
 from fedorth.fed import client as fed_client
-from fedorth.fed.server import sample_clients
+from fedorth.fed.context import begin_round, sample_clients
 from fedorth.optim import federated as fed_optim
 
 
@@ -48,16 +48,16 @@ def unsupported(algorithm: fed.FedAlgorithm) -> str | None:
     return f"jax_loop does not implement {', '.join(missing)}" if missing else None
 
 
-def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, results_C, lr):
+def server_update(algorithm: fed.FedAlgorithm, ctx: fed.RoundContext, results_C):
     """The next server state from the sampled clients' final ``(params, model_state,
     opt_state)``, client-stacked, through the algorithm's axes: the mean update through its
     server update (``algorithm.server``), the averaged model state, the averaged optimizer
     state where clients warm-start from it (``algorithm.start``), its server quantities and the
     corrections' ``g_G`` (``algorithm.corrections``)."""
     params_C, model_state_C, opt_state_C = results_C
-    n, s, k = config.num_clients, config.clients_per_round, config.local_steps
+    server = ctx.server
     mean_delta = jax.tree.map(lambda p, p0: jnp.mean(p, 0) - p0, params_C, server.params)
-    params, server_opt_state = algorithm.server.step(server, mean_delta, lr, n, s, k)
+    params, server_opt_state = algorithm.server.step(ctx, mean_delta)
     new = server.replace(
         round=server.round + 1,
         params=params,
@@ -67,8 +67,8 @@ def server_update(algorithm: fed.FedAlgorithm, config: fed.RoundConfig, server, 
     if algorithm.start.averaged:
         new = new.replace(opt_state=fed_optim.average_states(opt_state_C))
     if algorithm.quantities is not None:
-        new = new.replace(extra=algorithm.quantities.update(server, {}, lr))
-    return algorithm.corrections.server_update(server, new, {}, mean_delta, k, lr, n, s)
+        new = new.replace(extra=algorithm.quantities.update(ctx, new, {}))
+    return algorithm.corrections.server_update(ctx, new, {}, mean_delta)
 
 
 class JaxLoopRound:
@@ -87,7 +87,8 @@ class JaxLoopRound:
 
         def extras(server):
             """The local optimizer's extra arguments for this round."""
-            out = {**server.extra, "learning_rate": config.lr(server.round)}
+            ctx = begin_round(server, config)
+            out = {**server.extra, "learning_rate": ctx.learning_rate, "round_context": ctx}
             if algorithm.corrections.global_direction:
                 out["global_direction"] = server.global_direction
             return out
@@ -100,10 +101,13 @@ class JaxLoopRound:
 
         def finish(server, results):
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *results)
-            return server_update(algorithm, config, server, stacked, config.lr(server.round))
+            return server_update(algorithm, begin_round(server, config), stacked)
+
+        def start(server):
+            return algorithm.start.client_start(tx, begin_round(server, config), None)
 
         # The start axis: a client's state at round start, and what it uploads at the end.
-        self.start = jax.jit(lambda server: algorithm.start.client_start(tx, server, None))
+        self.start = jax.jit(start)
         self.end = jax.jit(lambda opt_state: algorithm.start.client_end(opt_state)[0])
         self.extras = jax.jit(extras)
         self.local_step = jax.jit(local_step)

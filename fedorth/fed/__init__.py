@@ -15,6 +15,7 @@ from fedorth.fed.algorithms import ALGORITHMS, get_algorithm  # noqa: F401
 from fedorth.fed.autotune import MeasuredRoundFn, describe_selection, measure_strategies  # noqa: F401
 from fedorth.fed.compiled import RoundFn  # noqa: F401
 from fedorth.fed.config import STRATEGIES, RoundConfig  # noqa: F401
+from fedorth.fed.context import ClientResult, PrepassInput, RoundContext  # noqa: F401
 from fedorth.fed.execution import client_mesh, resolve_strategy  # noqa: F401
 from fedorth.fed.memory import RoundOutOfMemoryError  # noqa: F401
 from fedorth.fed.round import make_round_fn, round_body  # noqa: F401
@@ -25,10 +26,13 @@ from fedorth.fed.state import ClientState, ServerState  # noqa: F401
 __all__ = [
     "ALGORITHMS",
     "STRATEGIES",
+    "ClientResult",
     "ClientState",
     "FedAlgorithm",
     "MeasuredRoundFn",
+    "PrepassInput",
     "RoundConfig",
+    "RoundContext",
     "RoundFn",
     "RoundOutOfMemoryError",
     "ServerState",

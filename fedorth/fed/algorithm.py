@@ -17,7 +17,8 @@ minimax methods) is a choice of
 5. the **server update** ``server`` (``fedorth.fed.update``): the server optimizer, its rule
    (``Mean()``, ``Partial()``, ``GlobalStep(gamma)``) and how the client updates combine.
 
-Each axis's spec owns its engine code; the round (``fedorth.fed.round``) only orders the steps.
+Each axis's spec owns its engine code; the round (``fedorth.fed.round``) only orders the steps,
+and hands every spec method the round's ``fedorth.fed.context.RoundContext``.
 docs/ARCHITECTURE.md says where to add what.
 """
 
@@ -41,8 +42,10 @@ class FedAlgorithm:
     Attributes:
       name: registry name.
       local_tx: the client's local optimizer; receives the extra arguments ``learning_rate``,
-        ``obj_fn``, ``key``, the corrections' (``global_direction``, ``control_correction``,
-        the pre-pass entries) and the server quantities (``ServerState.extra``).
+        ``round_context`` (the round's ``fedorth.fed.context.RoundContext``), ``obj_fn``,
+        ``key``, the corrections' (``global_direction``, ``control_correction``,
+        ``client_control``, the pre-pass entries) and the server quantities
+        (``ServerState.extra``).
       start: how a client's optimizer state starts a round (``fedorth.fed.start``).
       corrections: the server quantities of the local corrections (``fedorth.fed.corrections``).
       quantities: server quantities kept in ``ServerState.extra``, or None.

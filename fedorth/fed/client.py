@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,9 @@ import optax
 
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.config import RoundConfig
+from fedorth.fed.context import ClientResult, PrepassInput, RoundContext
 from fedorth.fed.corrections import control_diff
-from fedorth.fed.state import ClientState, ServerState
+from fedorth.fed.state import ClientState
 from fedorth.models import layers
 
 PyTree = Any
@@ -30,25 +31,31 @@ LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[Py
 BatchFn = Callable[[PyTree, jax.Array, jax.Array], PyTree]
 
 
+class ClientInputs(NamedTuple):
+    """What a round hands each sampled client, stacked over the client axis."""
+
+    client_id: jax.Array
+    persistent: ClientState | None  # its kept state (``ServerState.clients`` row), or None
+    prepass: dict  # its own pre-pass results (``Prepass.per_client``), or {}
+
+
 def make_prepass_fn(
     algorithm: FedAlgorithm, loss_fn: LossFn, batch_fn: BatchFn, config: RoundConfig
 ) -> Callable:
-    """``prepass_fn(server, data, lr, round_key, client_id)``: the algorithm's pre-pass
+    """``prepass_fn(ctx, data, client_id)``: the algorithm's pre-pass
     (``fedorth.fed.corrections.Prepass``) of one sampled client at the server point."""
     k = config.local_steps
 
-    def prepass_fn(server: ServerState, data: PyTree, lr: jax.Array, round_key, client_id):
+    def prepass_fn(ctx: RoundContext, data: PyTree, client_id):
         # Step index K: the local steps draw with 0..K-1.
-        batch_key, model_key = jax.random.split(
-            jax.random.fold_in(jax.random.fold_in(round_key, client_id), k)
-        )
+        batch_key, model_key = jax.random.split(jax.random.fold_in(ctx.client_key(client_id), k))
         batch = batch_fn(data, client_id, batch_key)
+        model_state = ctx.server.model_state
 
         def grad_fn(params):
-            return jax.grad(lambda p: loss_fn(p, server.model_state, batch, model_key)[0])(params)
+            return jax.grad(lambda p: loss_fn(p, model_state, batch, model_key)[0])(params)
 
-        ctx = {"params": server.params, "server": server, "learning_rate": lr, "batch": batch}
-        return algorithm.corrections.prepass.fn({**ctx, "grad_fn": grad_fn})
+        return algorithm.corrections.prepass.fn(ctx, PrepassInput(client_id, batch, grad_fn))
 
     return prepass_fn
 
@@ -110,26 +117,29 @@ def local_steps(
 def make_client_fn(
     algorithm: FedAlgorithm, loss_fn: LossFn, batch_fn: BatchFn, config: RoundConfig
 ) -> Callable:
-    """``client_fn(server, data, lr, round_key, prepass_mean, xs) -> (out, new_persistent)``
-    with ``xs = (client_id, persistent, prepass)``: one client's round.
+    """``client_fn(ctx, data, prepass_mean, xs) -> (out, new_persistent)`` with ``xs`` a
+    :class:`ClientInputs`: one client's round.
 
     ``out`` holds the update ``delta = x_i^K - x^r``, the model state, the mean loss, the
     uploaded optimizer state and the report; ``new_persistent`` what the client keeps
     (``ClientState``, or None).
     """
     tx, start, corrections = algorithm.local_tx, algorithm.start, algorithm.corrections
-    k = config.local_steps
 
-    def client_fn(server: ServerState, data: PyTree, lr: jax.Array, round_key, prepass_mean, xs):
+    def client_fn(ctx: RoundContext, data: PyTree, prepass_mean, xs: ClientInputs):
         client_id, persistent, prepass = xs
-        client_key = jax.random.fold_in(round_key, client_id)
+        server = ctx.server
         params0 = server.params
         kept = control_i = None
         if persistent is not None:
             kept, control_i = persistent.opt_state, persistent.control
-        opt_state = start.client_start(tx, server, kept)
-        extras: dict[str, Any] = {**server.extra, "learning_rate": lr}
-        extras.update(corrections.client_args(server, control_i, prepass_mean, prepass))
+        opt_state = start.client_start(tx, ctx, kept)
+        extras: dict[str, Any] = {
+            **server.extra,
+            "learning_rate": ctx.learning_rate,
+            "round_context": ctx,
+        }
+        extras.update(corrections.client_args(ctx, control_i, prepass_mean, prepass))
         (params, model_state, opt_state), losses = local_steps(
             tx,
             loss_fn,
@@ -138,7 +148,7 @@ def make_client_fn(
             (params0, server.model_state, opt_state),
             data,
             client_id,
-            client_key,
+            ctx.client_key(client_id),
             extras,
         )
         delta = jax.tree.map(lambda a, b: a - b, params, params0)
@@ -146,17 +156,9 @@ def make_client_fn(
         # The final state: uploaded when averaged; else its Θ only enters the drift metric.
         out["opt_state"], kept = start.client_end(opt_state)
         if algorithm.report is not None:
-            out["report"] = algorithm.report.fn(
-                {
-                    "params0": params0,
-                    "params": params,
-                    "opt_state": out["opt_state"],
-                    "persistent": persistent,
-                    "server": server,
-                    "learning_rate": lr,
-                }
-            )
-        control = corrections.client_control(control_i, server, delta, out["opt_state"], k, lr)
+            result = ClientResult(client_id, params, delta, out["opt_state"], persistent)
+            out["report"] = algorithm.report.fn(ctx, result)
+        control = corrections.client_control(ctx, control_i, delta, out["opt_state"])
         if persistent is None:
             return out, None
         return out, ClientState(opt_state=kept, control=control)
@@ -176,7 +178,7 @@ def per_client_outputs(algorithm: FedAlgorithm, client_fn: Callable, drift, has_
         if has_clients:
             stacked["persistent"] = new_persistent
         if algorithm.corrections.control:
-            averaged["control_diff"] = control_diff(new_persistent.control, xs[1].control)
+            averaged["control_diff"] = control_diff(new_persistent.control, xs.persistent.control)
         drift_lib.client_outputs(algorithm, drift, out["opt_state"], averaged, stacked)
         if "report" in out:
             averaged["report"] = out["report"]

@@ -16,9 +16,11 @@ quantities it reads, passed as keyword extra arguments:
   local steps (SAGDA's ``q_i``): the local optimizer reads each entry's mean under
   ``name + "_mean"`` and, with ``per_client``, the client's own value under ``name``.
 
-The contract the round calls: ``init_server(params)``, ``client_args(server, control_i,
-prepass_mean, prepass)``, ``client_control(control_i, server, delta, opt_state, k, lr)``,
-``server_update(server, new, mean, mean_delta, k, lr, n, s)``, ``comm_bytes(server)``.
+The contract the round calls (``ctx``: the round's ``fedorth.fed.context.RoundContext``):
+``init_server(params)``, ``client_args(ctx, control_i, prepass_mean, prepass)``,
+``client_control(ctx, control_i, delta, opt_state)``, ``server_update(ctx, new, mean,
+mean_delta)``, ``comm_bytes(server)``; a control variate's ``update(ctx, control_i, delta,
+opt_state)``, a pre-pass's ``fn(ctx, client)``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from fedorth.fed import metrics as fed_metrics
+from fedorth.fed.context import PrepassInput, RoundContext
 from fedorth.fed.state import zeros_like_tree
 
 PyTree = Any
@@ -41,9 +44,10 @@ class ControlVariate(abc.ABC):
     """A kind of control variate: how client ``i`` forms its new ``c_i+`` after its steps."""
 
     @abc.abstractmethod
-    def update(self, control_i, control, delta, opt_state, k: int, lr) -> PyTree:
-        """``c_i+`` from the old ``c_i``, the server's ``c``, the client's update ``delta``
-        (``x_i^K - x^r``), its final optimizer state, ``K`` and ``eta_r``."""
+    def update(self, ctx: RoundContext, control_i, delta, opt_state) -> PyTree:
+        """``c_i+`` from the round's context (the server's ``c`` is ``ctx.server.control``;
+        ``K``, ``eta_r``, ``N``, ``S``), the old ``c_i``, the client's update ``delta``
+        (``x_i^K - x^r``) and its final optimizer state."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +57,8 @@ class FromState(ControlVariate):
 
     read: Callable[[PyTree], PyTree]
 
-    def update(self, control_i, control, delta, opt_state, k, lr):
-        del control_i, control, delta, k, lr
+    def update(self, ctx, control_i, delta, opt_state):
+        del ctx, control_i, delta
         return self.read(opt_state)
 
 
@@ -63,17 +67,18 @@ class Prepass:
     """A pass over the round's sampled clients at the server point, before their local steps.
 
     Attributes:
-      fn: ``fn(ctx) -> dict`` of pytrees; ``ctx`` has ``params`` (the server's), ``server``,
-        ``learning_rate``, ``batch`` (a fresh mini-batch, drawn with local step index ``K``;
-        the local steps use ``0..K-1``) and ``grad_fn(params) -> grads`` of the client's loss
-        on that batch. The server averages each entry over the sampled clients.
+      fn: ``fn(ctx, client) -> dict`` of pytrees from the round's context (``ctx.params``: the
+        server point) and the client's :class:`~fedorth.fed.context.PrepassInput`
+        (``batch``: a fresh mini-batch, drawn with local step index ``K``, the local steps
+        using ``0..K-1``; ``grad_fn(params) -> grads`` of the client's loss on that batch).
+        The server averages each entry over the sampled clients.
       per_client: each client also receives its own result (SAGDA's ``q_i``); False: the means
         only, and no ``[S, ...]`` stack of the results is kept (FAFED's start: ``m_0``, ``v_0``).
       floats: numbers per client uploaded per parameter count; the mean is downloaded
         (communication accounting: 1.0 for one pytree like the params).
     """
 
-    fn: Callable[[dict], dict]
+    fn: Callable[[RoundContext, PrepassInput], dict]
     per_client: bool = True
     floats: float = 0.0
 
@@ -99,8 +104,11 @@ class Corrections:
             "control": zeros_like_tree(params) if self.control else None,
         }
 
-    def client_args(self, server, control_i, prepass_mean, prepass) -> dict[str, Any]:
-        """The local optimizer's extra arguments of this axis."""
+    def client_args(self, ctx, control_i, prepass_mean, prepass) -> dict[str, Any]:
+        """The local optimizer's extra arguments of this axis: ``global_direction``,
+        ``control_correction = c - c_i`` and the client's own ``client_control = c_i``, the
+        pre-pass entries."""
+        server = ctx.server
         args: dict[str, Any] = {}
         if self.global_direction:
             args["global_direction"] = server.global_direction
@@ -108,25 +116,28 @@ class Corrections:
             args["control_correction"] = jax.tree.map(
                 lambda c, ci: c - ci, server.control, control_i
             )
+            args["client_control"] = control_i
         for name, mean in prepass_mean.items():
             args[f"{name}_mean"] = mean
             if name in prepass:
                 args[name] = prepass[name]
         return args
 
-    def client_control(self, control_i, server, delta, opt_state, k, lr) -> PyTree:
+    def client_control(self, ctx, control_i, delta, opt_state) -> PyTree:
         """The client's new control variate ``c_i+`` (None without control variates)."""
         if not self.control:
             return None
-        return self.control.update(control_i, server.control, delta, opt_state, k, lr)
+        return self.control.update(ctx, control_i, delta, opt_state)
 
-    def server_update(self, server, new, mean, mean_delta, k, lr, n, s):
+    def server_update(self, ctx, new, mean, mean_delta):
         """``g_G`` and ``c`` of the next round in ``new``."""
+        k, lr = ctx.local_steps, ctx.learning_rate
+        n, s = ctx.num_clients, ctx.clients_per_round
         if self.global_direction:
             new = new.replace(global_direction=jax.tree.map(lambda d: -d / (k * lr), mean_delta))
         if self.control:
             control = jax.tree.map(
-                lambda c, diff: c + (s / n) * diff, server.control, mean["control_diff"]
+                lambda c, diff: c + (s / n) * diff, ctx.server.control, mean["control_diff"]
             )
             new = new.replace(control=control)
         return new

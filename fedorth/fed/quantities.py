@@ -8,8 +8,9 @@
   server averages them for :meth:`ServerQuantities.update` and hands them, client-stacked, to a
   custom combination of the updates (``fedorth.fed.update.ServerUpdate.combine``).
 
-The contract the round calls: ``ServerQuantities.init(params)``, ``.update(server, reports,
-learning_rate)``, ``ClientReport.fn(ctx)``, and ``comm_bytes`` of each.
+The contract the round calls (``ctx``: the round's ``fedorth.fed.context.RoundContext``):
+``ServerQuantities.init(params)``, ``.update(ctx, new, reports)``, ``ClientReport.fn(ctx,
+client)``, and ``comm_bytes`` of each.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedorth.fed import metrics as fed_metrics
+from fedorth.fed.context import ClientResult, RoundContext
 
 PyTree = Any
 
@@ -30,12 +32,17 @@ class ServerQuantities:
     Attributes:
       init: ``init(params) -> dict`` of the quantities before round 0 (no two leaves may share a
         buffer: the round donates the server state).
-      update: ``update(server, reports, learning_rate) -> dict``: the new quantities from the
-        pre-round ``server`` and the clients' averaged reports (``{}`` without a report).
+      update: ``update(ctx, new, reports) -> dict``: the quantities the next round sends down,
+        from the context of the round that ran (``ctx.params`` and ``ctx.server.extra``: its
+        start, ``x^r`` and the quantities it sent), the server state the next round starts from
+        (``new.params``: ``x^{r+1}``, after the server step) and the clients' averaged reports
+        (``{}`` without a report). A quantity that follows the model the clients start from
+        (FedProx's anchor) is read from ``new``; one that lags a round (FedAvg-VR's
+        ``x^{r-1}``) from ``ctx``.
     """
 
     init: Callable[[PyTree], dict]
-    update: Callable[[Any, dict, Any], dict]
+    update: Callable[[RoundContext, Any, dict], dict]
 
     def comm_bytes(self, server) -> tuple[int, int]:
         return 0, fed_metrics.tree_bytes(server.extra)
@@ -46,14 +53,15 @@ class ClientReport:
     """What each client reports after its local steps.
 
     Attributes:
-      fn: ``fn(ctx) -> dict`` of pytrees; ``ctx`` has ``params0``, ``params``, ``opt_state``
-        (the uploaded final state), ``persistent`` (the client's kept ``ClientState``),
-        ``server``, ``learning_rate``.
+      fn: ``fn(ctx, client) -> dict`` of pytrees from the round's context (``ctx.params``: the
+        point the client started from) and the client's
+        :class:`~fedorth.fed.context.ClientResult` (its final ``params``, ``delta``,
+        ``opt_state`` as uploaded, ``persistent``: its kept ``ClientState``).
       floats: numbers uploaded per parameter count (communication accounting: 1.0 for one
         pytree like the params; 0 when the report is something already counted).
     """
 
-    fn: Callable[[dict], dict]
+    fn: Callable[[RoundContext, ClientResult], dict]
     floats: float = 0.0
 
     def comm_bytes(self, server) -> tuple[int, int]:

@@ -8,8 +8,11 @@ clients finish, ``fed.reduce``; preconditioner drift, ``fed.drift``) and updates
 (``fed.server``). :func:`round_body` is that pipeline as a plain function of
 ``(server, data)``; :func:`make_round_fn` jits it (``fed.compiled``).
 
-The round key is ``fold_in(server.key, round)``; the clients' and local steps' keys derive from
-it by client id (``fed.client``), so every strategy sees the same randomness.
+The round's :class:`~fedorth.fed.context.RoundContext` (``fed.context.begin_round``: the
+server state it starts from, the sampled ids, ``N``, ``S``, ``K``, the learning rate, the round
+key ``fold_in(server.key, round)``) is built once and passed to every spec method of the
+algorithm. The clients' and local steps' keys derive from the round key by client id
+(``fed.client``), so every strategy sees the same randomness.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from fedorth.fed.autotune import MeasuredRoundFn
 from fedorth.fed.client import BatchFn, LossFn
 from fedorth.fed.compiled import RoundFn
 from fedorth.fed.config import RoundConfig
+from fedorth.fed.context import begin_round
 from fedorth.fed.execution import client_conv_trace_mode, resolve_strategy  # noqa: F401
-from fedorth.fed.server import sample_clients, server_quantities, server_step
+from fedorth.fed.server import sample_clients, server_quantities, server_step  # noqa: F401
 from fedorth.fed.start import compress_state as _compress_state  # noqa: F401
 from fedorth.fed.state import ServerState, gather_clients
 
@@ -40,19 +44,18 @@ def round_body(
 
     A caller may ``jax.jit`` or ``jax.vmap`` it itself; :func:`make_round_fn` jits it.
     """
-    n, s, k = config.num_clients, config.clients_per_round, config.local_steps
+    s = config.clients_per_round
     client_fn = client.make_client_fn(algorithm, loss_fn, batch_fn, config)
     prepass_fn = client.make_prepass_fn(algorithm, loss_fn, batch_fn, config)
 
     def round_fn(server: ServerState, data: PyTree):
-        round_key, ids = sample_clients(server.key, server.round, n, s)
-        lr = config.lr(server.round)
+        ctx = begin_round(server, config)
+        ids = ctx.client_ids
         persistent = gather_clients(server.clients, ids) if server.clients is not None else None
         plan = drift.plan(algorithm, config, server)
         per_client = client.per_client_outputs(
             algorithm, client_fn, plan, server.clients is not None
         )
-        shared = (server, data, lr, round_key)
         prepass_mean, prepass = {}, {}
         if algorithm.corrections.prepass is not None:
             # The pass over the sampled clients at the server point, before their local steps:
@@ -63,25 +66,23 @@ def round_body(
                 return out, (out if algorithm.corrections.prepass.per_client else {})
 
             prepass_stats, prepass = execution.run_clients(
-                per_client_prepass, shared, ids, config, {}, None
+                per_client_prepass, (ctx, data), ids, config, {}, None
             )
             prepass_mean = prepass_stats["mean"]
         stats, stacked = execution.run_clients(
             per_client,
-            (*shared, prepass_mean),
-            (ids, persistent, prepass),
+            (ctx, data, prepass_mean),
+            client.ClientInputs(ids, persistent, prepass),
             config,
             plan.spread,
             "delta",
         )
-        new, mean_delta = server_step(algorithm, server, stats, stacked, lr, n, s, k)
-        metrics = {"train_loss": stats["mean"]["loss"], "learning_rate": lr}
+        new, mean_delta = server_step(algorithm, ctx, stats, stacked)
+        metrics = {"train_loss": stats["mean"]["loss"], "learning_rate": ctx.learning_rate}
         metrics.update(reduce.drift(stats, "delta", s))
         new, drift_metrics = drift.server_opt_state(algorithm, plan, new, stats, stacked, s)
         metrics.update(drift_metrics)
-        new = server_quantities(
-            algorithm, server, new, stats["mean"], mean_delta, stacked, ids, lr, n, s, k
-        )
+        new = server_quantities(algorithm, ctx, new, stats["mean"], mean_delta, stacked)
         return new, metrics
 
     return round_fn

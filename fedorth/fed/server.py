@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.context import RoundContext, sample_clients  # noqa: F401  (the round's)
 from fedorth.fed.state import (
     ClientState,
     ServerState,
@@ -62,24 +63,14 @@ def init_server(
     )
 
 
-def sample_clients(
-    key: jax.Array, round_index: jax.Array, num_clients: int, clients_per_round: int
-):
-    """The round's key and its ``S`` sampled client ids (sorted, without replacement)."""
-    round_key = jax.random.fold_in(key, round_index)
-    sample_key, _ = jax.random.split(round_key)
-    ids = jax.random.choice(sample_key, num_clients, (clients_per_round,), replace=False)
-    return round_key, jnp.sort(ids.astype(jnp.int32))
-
-
-def server_step(algorithm: FedAlgorithm, server: ServerState, stats, stacked, lr, n, s, k):
+def server_step(algorithm: FedAlgorithm, ctx: RoundContext, stats, stacked):
     """The server update of parameters and model state from the clients' summary; returns the new
     state and the aggregated update ``Delta`` (``fedorth.fed.update``)."""
     mean = stats["mean"]
-    mean_delta = algorithm.server.combine_updates(server, mean["delta"], stacked)
-    params, server_opt_state = algorithm.server.step(server, mean_delta, lr, n, s, k)
-    new = server.replace(
-        round=server.round + 1,
+    mean_delta = algorithm.server.combine_updates(ctx, mean["delta"], stacked)
+    params, server_opt_state = algorithm.server.step(ctx, mean_delta)
+    new = ctx.server.replace(
+        round=ctx.round + 1,
         params=params,
         model_state=mean["model_state"],
         server_opt_state=server_opt_state,
@@ -88,14 +79,17 @@ def server_step(algorithm: FedAlgorithm, server: ServerState, stats, stacked, lr
 
 
 def server_quantities(
-    algorithm: FedAlgorithm, server, new, mean, mean_delta, stacked, ids, lr, n, s, k
+    algorithm: FedAlgorithm, ctx: RoundContext, new, mean, mean_delta, stacked
 ) -> ServerState:
-    """The new server quantities: ``extra``, the corrections' (``g_G``, ``c``), and the kept
-    client states of the sampled clients."""
+    """The new server quantities: ``extra`` (from ``new``: the parameters after the server step),
+    the corrections' (``g_G``, ``c``), and the kept client states of the sampled clients."""
+    server = ctx.server
     if algorithm.quantities is not None:
         reports = mean.get("report", {})
-        new = new.replace(extra=algorithm.quantities.update(server, reports, lr))
-    new = algorithm.corrections.server_update(server, new, mean, mean_delta, k, lr, n, s)
+        new = new.replace(extra=algorithm.quantities.update(ctx, new, reports))
+    new = algorithm.corrections.server_update(ctx, new, mean, mean_delta)
     if server.clients is not None:
-        new = new.replace(clients=scatter_clients(server.clients, ids, stacked["persistent"]))
+        new = new.replace(
+            clients=scatter_clients(server.clients, ctx.client_ids, stacked["persistent"])
+        )
     return new

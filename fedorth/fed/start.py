@@ -13,8 +13,9 @@ The contract the round calls (every spec of this axis has these):
 * ``init_server(tx, params) -> (opt_state, client_opt_state)``: the server's averaged state
   (``ServerState.opt_state``, or None) and what one client keeps (stacked over the ``N``
   clients in ``ServerState.clients.opt_state``, or None);
-* ``client_start(tx, server, kept) -> opt_state``: the state the client's local steps start
-  from (``kept``: its row of ``ServerState.clients.opt_state``, or None);
+* ``client_start(tx, ctx, kept) -> opt_state``: the state the client's local steps start
+  from (``ctx``: the round's ``fedorth.fed.context.RoundContext``, whose ``server`` holds the
+  averaged state; ``kept``: its row of ``ServerState.clients.opt_state``, or None);
 * ``client_end(opt_state) -> (upload, kept)``: what it uploads (its final state, low-rank where
   compressed; the drift metric and the reports read it too) and what it keeps (or None);
 * ``averaged``: the server averages the uploaded states (``ServerState.opt_state``);
@@ -88,9 +89,9 @@ class Reset:
     def init_server(self, tx, params):
         return (tx.init(params) if self.averaged else None), None
 
-    def client_start(self, tx, server, kept):
+    def client_start(self, tx, ctx, kept):
         del kept
-        return tx.init(server.params)
+        return tx.init(ctx.params)
 
     def client_end(self, opt_state):
         return opt_state, None
@@ -145,10 +146,10 @@ class Global:
         fresh = tx.init(params)
         return opt_state, masked_leaves(fresh, self.kept_mask(fresh))
 
-    def client_start(self, tx, server, kept):
-        opt_state = server.opt_state
+    def client_start(self, tx, ctx, kept):
+        opt_state = ctx.server.opt_state
         if self.mask is not None:
-            fresh = tx.init(server.params)
+            fresh = tx.init(ctx.params)
             opt_state = jax.tree.map(
                 lambda keep, g, f: g if keep else f, self.mask(fresh), opt_state, fresh
             )
@@ -199,8 +200,8 @@ class Persistent:
     def init_server(self, tx, params):
         return (tx.init(params) if self.averaged else None), tx.init(params)
 
-    def client_start(self, tx, server, kept):
-        del tx, server
+    def client_start(self, tx, ctx, kept):
+        del tx, ctx
         return kept
 
     def client_end(self, opt_state):

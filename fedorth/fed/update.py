@@ -10,8 +10,9 @@ The pseudo-gradient ``-scale * Delta`` then goes through the server optimizer ``
 * :class:`GlobalStep`: ``gamma / (K eta_r)`` (FedPAC (Liu et al.) Alg. 3 line 15,
   ``x <- x - gamma g_G``).
 
-The contract the round calls: ``init_server(params)``, ``combine_updates(server, mean_delta,
-stacked)``, ``step(server, delta, lr, n, s, k) -> (params, server_opt_state)``.
+The contract the round calls (``ctx``: the round's ``fedorth.fed.context.RoundContext``):
+``init_server(params)``, ``combine_updates(ctx, mean_delta, stacked)``, ``step(ctx, delta) ->
+(params, server_opt_state)``, and each rule's ``scale(ctx)``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import jax
 import optax
 
+from fedorth.fed.context import RoundContext
+
 PyTree = Any
 
 
@@ -32,8 +35,8 @@ class Mean:
 
     name = "mean"
 
-    def scale(self, n: int, s: int, k: int, lr) -> float:
-        del n, s, k, lr
+    def scale(self, ctx) -> float:
+        del ctx
         return 1.0
 
 
@@ -44,9 +47,8 @@ class Partial:
 
     name = "partial"
 
-    def scale(self, n: int, s: int, k: int, lr) -> float:
-        del k, lr
-        return s / n
+    def scale(self, ctx) -> float:
+        return ctx.clients_per_round / ctx.num_clients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +63,8 @@ class GlobalStep:
         if not self.gamma > 0:
             raise ValueError(f"server_lr={self.gamma} must be > 0.")
 
-    def scale(self, n: int, s: int, k: int, lr):
-        del n, s
-        return self.gamma / (k * lr)
+    def scale(self, ctx):
+        return self.gamma / (ctx.local_steps * ctx.learning_rate)
 
 
 Rule = Mean | Partial | GlobalStep
@@ -76,28 +77,31 @@ class ServerUpdate:
     Attributes:
       tx: the server optimizer applied to the pseudo-gradient.
       rule: :class:`Mean`, :class:`Partial` or :class:`GlobalStep`.
-      combine: ``combine(server, deltas_C, reports_C) -> Delta`` from the client-stacked
-        updates and client-stacked (not averaged) reports, replacing the mean in the server
-        step and in ``g_G`` (FedPM's ``sum_i P_i dx_i / sum_i P_i``). None: the mean, streamed
-        as clients finish (no ``[S, ...]`` stack of updates).
+      combine: ``combine(ctx, deltas_C, reports_C) -> Delta`` from the round's context
+        (``fedorth.fed.context.RoundContext``: ``N``, ``S``, ``K``, the learning rate, the
+        server state), the client-stacked updates and client-stacked (not averaged) reports,
+        replacing the mean in the server step and in ``g_G`` (FedPM's ``sum_i P_i dx_i /
+        sum_i P_i``). None: the mean, streamed as clients finish (no ``[S, ...]`` stack of
+        updates).
     """
 
     tx: optax.GradientTransformation = dataclasses.field(default_factory=lambda: optax.sgd(1.0))
     rule: Rule = Mean()
-    combine: Callable[[Any, PyTree, dict], PyTree] | None = None
+    combine: Callable[[RoundContext, PyTree, dict], PyTree] | None = None
 
     def init_server(self, params) -> PyTree:
         return self.tx.init(params)
 
-    def combine_updates(self, server, mean_delta, stacked) -> PyTree:
+    def combine_updates(self, ctx, mean_delta, stacked) -> PyTree:
         if self.combine is None:
             return mean_delta
-        return self.combine(server, stacked["delta"], stacked["report"])
+        return self.combine(ctx, stacked["delta"], stacked["report"])
 
-    def step(self, server, delta, lr, n: int, s: int, k: int):
+    def step(self, ctx, delta):
         """The new parameters and server optimizer state from the aggregated update."""
-        scale = self.rule.scale(n, s, k, lr)
+        scale = self.rule.scale(ctx)
         pseudo_grad = jax.tree.map(lambda d: -scale * d, delta)
+        server = ctx.server
         updates, server_opt_state = self.tx.update(
             pseudo_grad, server.server_opt_state, server.params
         )

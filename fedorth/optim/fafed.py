@@ -222,18 +222,18 @@ def fafed_persistent_mask(opt_state: PyTree) -> PyTree:
     return _fafed_mask(opt_state, prev_params=True)
 
 
-def fafed_start_prepass(ctx: dict) -> dict:
+def fafed_start_prepass(ctx, client) -> dict:
     """``corrections.Prepass`` of FAFED's start: on round 0 each sampled client's gradient
     at ``x_0`` and its square (the server averages them into ``m_0``, ``v_0``); zeros, with no
     gradient computed (``lax.cond`` on the unbatched round counter), on later rounds."""
-    params = ctx["params"]
+    params = ctx.params
 
     def first():
-        g = ctx["grad_fn"](params)
+        g = client.grad_fn(params)
         return {"fafed_g0": g, "fafed_g0_sq": jax.tree.map(jnp.square, g)}
 
     def later():
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
         return {"fafed_g0": zeros(), "fafed_g0_sq": zeros()}
 
-    return jax.lax.cond(ctx["server"].round == 0, first, later)
+    return jax.lax.cond(ctx.round == 0, first, later)

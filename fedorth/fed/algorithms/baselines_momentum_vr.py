@@ -91,7 +91,8 @@ def prev_params_quantities(*, variance_reduction: bool) -> ServerQuantities | No
     return ServerQuantities(
         # A copy: the round donates the server state, so no two leaves may share a buffer.
         init=lambda params: {"prev_params": jax.tree.map(jnp.copy, params)},
-        update=lambda server, reports, lr: {**server.extra, "prev_params": server.params},
+        # x^{r-1} of the next round: this round's start.
+        update=lambda ctx, new, reports: {**ctx.server.extra, "prev_params": ctx.params},
     )
 
 

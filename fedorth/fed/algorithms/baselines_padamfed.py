@@ -113,12 +113,14 @@ def padamfed(
             extra["prev_params"] = jax.tree.map(jnp.copy, params)
         return extra
 
-    def report_control_change(ctx):
-        new_c = running_mean_of(ctx["opt_state"])
-        return {"dc": jax.tree.map(lambda a, b: a - b, new_c, ctx["persistent"].control)}
+    def report_control_change(ctx, client):
+        del ctx
+        new_c = running_mean_of(client.opt_state)
+        return {"dc": jax.tree.map(lambda a, b: a - b, new_c, client.persistent.control)}
 
-    def update_quantities(server, reports, lr):
-        del lr
+    def update_quantities(ctx, new, reports):
+        del new
+        server = ctx.server
         momentum = jax.tree.map(
             lambda c, dc, g: beta * (c + dc) + (1.0 - beta) * g,
             server.control,

@@ -114,12 +114,13 @@ def fedpm(
     tx, hp = _sophia_tx(optim, "fedpm")
     eps = float(hp.get("eps", 1e-12))
 
-    def report_preconditioner(ctx):
-        h = sophia_hessian_of(ctx["opt_state"])
+    def report_preconditioner(ctx, client):
+        del ctx
+        h = sophia_hessian_of(client.opt_state)
         return {"precond": jax.tree.map(lambda x: jnp.maximum(x, eps), h)}
 
-    def mix_by_preconditioner(server, deltas_C, reports_C):
-        del server
+    def mix_by_preconditioner(ctx, deltas_C, reports_C):
+        del ctx
         return jax.tree.map(
             lambda d, p: (jnp.sum(p * d, axis=0) / jnp.sum(p, axis=0)).astype(d.dtype),
             deltas_C,

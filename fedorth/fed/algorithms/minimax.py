@@ -97,12 +97,13 @@ def _global_momentum_pieces(label_fn: LabelFn, beta_primal: float, beta_dual: fl
     def init(params):
         return {"global_momentum": jax.tree.map(jnp.zeros_like, params)}
 
-    def report(ctx):
-        return {"gradient_mean": gradient_mean(ctx["opt_state"][0])}
+    def report(ctx, client):
+        del ctx
+        return {"gradient_mean": gradient_mean(client.opt_state[0])}
 
-    def update(server, reports, learning_rate):
-        del learning_rate
-        old = server.extra["global_momentum"]
+    def update(ctx, new, reports):
+        del new
+        old = ctx.server.extra["global_momentum"]
         betas = _by_label(label_fn, old, beta_primal, beta_dual)
         new = jax.tree.map(
             lambda m, g, b: (b * g + (1.0 - b) * m).astype(m.dtype),

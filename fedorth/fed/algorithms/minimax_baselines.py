@@ -229,9 +229,9 @@ def fedsgda_m(
 # ----------------------------------------------------------------------- F-SAGDA (Yang)
 
 
-def _sampled_gradient(ctx: dict) -> dict:
+def _sampled_gradient(ctx, client) -> dict:
     """The pre-pass of SAGDA: the client's stochastic gradient at the server point."""
-    return {SAMPLED_GRADIENT: ctx["grad_fn"](ctx["params"])}
+    return {SAMPLED_GRADIENT: client.grad_fn(ctx.params)}
 
 
 def f_sagda(
@@ -280,10 +280,10 @@ def _fess_server_pieces(label_fn, penalty: float, rate: float, gx: float, on_ser
     def init(params):
         return {"smoothing_anchor": jax.tree.map(jnp.copy, params)}
 
-    def report(ctx):
-        out = {"delta": jax.tree.map(lambda a, b: a - b, ctx["params"], ctx["params0"])}
+    def report(ctx, client):
+        out = {"delta": jax.tree.map(lambda a, b: a - b, client.params, ctx.params)}
         if on_server:  # eta_x K of the server's smoothing term
-            out["smooth_scale"] = ctx["learning_rate"] * ctx["opt_state"][0].count
+            out["smooth_scale"] = ctx.learning_rate * client.opt_state[0].count
         return out
 
     def smoothed(server, delta, scale):
@@ -299,12 +299,14 @@ def _fess_server_pieces(label_fn, penalty: float, rate: float, gx: float, on_ser
             on,
         )
 
-    def aggregate(server, deltas_c, reports_c):
+    def aggregate(ctx, deltas_c, reports_c):
         mean = jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas_c)
-        return smoothed(server, mean, jnp.mean(reports_c["smooth_scale"]))
+        return smoothed(ctx.server, mean, jnp.mean(reports_c["smooth_scale"]))
 
-    def update_anchor(server, reports, learning_rate):
-        del learning_rate
+    def update_anchor(ctx, new, reports):
+        # x+ is recomputed from the pre-round state, in the rounding of the box's own step.
+        del new
+        server = ctx.server
         delta = smoothed(server, reports["delta"], reports.get("smooth_scale", 0.0))
         # The server's primal step x+ = x + gamma_x mean(dx) (the "mean" rule with sgd(gamma_x)).
         on = om._by_label(label_fn, server.params, rate, 0.0)

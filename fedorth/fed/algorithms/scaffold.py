@@ -57,16 +57,22 @@ class OptionII(ControlVariate):
     """``c_i+ = c_i - c + (x - y_i) / (K eta)``: option II of Karimireddy et al. (2020),
     Eq. (4), with ``x - y_i = -delta``."""
 
-    def update(self, control_i, control, delta, opt_state, k, lr):
+    def update(self, ctx, control_i, delta, opt_state):
         del opt_state
-        return jax.tree.map(lambda ci, c, d: ci - c - d / (k * lr), control_i, control, delta)
+        k, lr = ctx.local_steps, ctx.learning_rate
+        return jax.tree.map(
+            lambda ci, c, d: ci - c - d / (k * lr), control_i, ctx.server.control, delta
+        )
 
 
 def _round_counter() -> ServerQuantities:
     """A round counter in ``ServerState.extra`` (sent to clients)."""
     return ServerQuantities(
         init=lambda params: {ROUND_KEY: jnp.zeros([], jnp.int32)},
-        update=lambda server, reports, lr: {**server.extra, ROUND_KEY: server.extra[ROUND_KEY] + 1},
+        update=lambda ctx, new, reports: {
+            **ctx.server.extra,
+            ROUND_KEY: ctx.server.extra[ROUND_KEY] + 1,
+        },
     )
 
 
