@@ -271,6 +271,88 @@ def test_stackoverflow_vocabulary_without_the_count_file_counts_users(tmp_path, 
     assert vocab == {"(": 1, ")": 2, "list": 3}
 
 
+@needs_h5py
+def test_stackoverflow_from_tff_hdf5_fixed_length_strings_equals_fedjax_sqlite(tmp_path):
+    tff, fedjax = tmp_path / "tff", tmp_path / "fedjax"
+    tff.mkdir()
+    fedjax.mkdir()
+    fixed = {  # TFF's HDF5 text as fixed-length bytes ('S'), FedJAX's as a bytes ndarray
+        cid: {k: v.astype(bytes) for k, v in features.items()}
+        for cid, features in stack_clients().items()
+    }
+    for split in ("train", "test"):
+        write_tff_h5(tff / f"stackoverflow_{split}.h5", fixed)
+        write_fedjax_sqlite(fedjax / f"stackoverflow_{split}.sqlite", stack_clients())
+    a = natural.load_stackoverflow(data_dir=tff, vocab_size=5, num_clients=1)
+    b = natural.load_stackoverflow(data_dir=fedjax, vocab_size=5, num_clients=1)
+    for left, right in zip(a[:4], b[:4], strict=True):
+        np.testing.assert_array_equal(left, right)
+    assert a[0].shape == (2, 21) and a[4]["client_names"] == ["00000001"]
+
+
+@needs_h5py
+def test_cifar100_pachinko_tff_hdf5(tmp_path):
+    rng = np.random.default_rng(2)
+
+    def clients(sizes):
+        return {
+            str(cid): {
+                "coarse_label": rng.integers(0, 20, n).astype(np.int64),
+                "image": rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+                "label": rng.integers(0, 100, n).astype(np.int64),
+            }
+            for cid, n in sizes.items()
+        }
+
+    # String ids "0".."11" sort as strings: "0", "1", "10", "11", "2", ...
+    train, test = clients({i: 2 for i in range(12)}), clients({i: 3 for i in range(2)})
+    write_tff_h5(tmp_path / "fed_cifar100_train.h5", train)
+    write_tff_h5(tmp_path / "fed_cifar100_test.h5", test)
+    x, y, x_test, y_test, meta = natural.load_cifar100_pachinko(data_dir=tmp_path, num_clients=4)
+    order = ["0", "1", "10", "11"]
+    mean, std = (np.asarray(v, np.float32) for v in data_lib.tfds.IMAGE_STATS["cifar100"])
+    images = np.concatenate([train[c]["image"] for c in order]).astype(np.float32)
+    np.testing.assert_array_equal(x, (images / np.float32(255.0) - mean) / std)
+    np.testing.assert_array_equal(y, np.concatenate([train[c]["label"] for c in order]))
+    assert meta["client_names"] == order and y.dtype == np.int32
+    assert x_test.shape == (6, 32, 32, 3) and meta["num_classes"] == 100
+
+
+@needs_h5py
+def test_per_client_evaluation_of_a_language_model(tmp_path):
+    import jax
+
+    from fedorth.train import builders
+    from tests.test_reliability import tiny_config
+
+    clients = {c: {"snippets": np.array(s, dtype=object)} for c, s in SNIPPETS.items()}
+    write_tff_h5(tmp_path / "shakespeare_train.h5", clients)
+    write_tff_h5(tmp_path / "shakespeare_test.h5", clients)
+    config = tiny_config(
+        **{
+            "data.name": "shakespeare",
+            "data.data_dir": str(tmp_path),
+            "data.partition": "natural",
+            "data.num_clients": 2,
+            "data.dataset_kwargs": {"sequence_length": 10},
+            "eval_per_client": True,
+            "eval_batch_size": 3,
+        }
+    )
+    config.model = {"name": "llama", "size": "tiny"}
+    experiment = builders.build(config)
+    params, state = experiment.init_params, experiment.init_model_state
+    out = builders.make_eval_fn(experiment)(params, state)
+    test = np.asarray(experiment.data.x_test)
+    owner = np.asarray(experiment.data.test_client)
+    losses = []
+    for client in range(2):
+        sums = jax.device_get(experiment.model.eval_fn(params, state, {"x": test[owner == client]}))
+        losses.append(sums["loss_sum"] / sums["count"])
+    np.testing.assert_allclose(out["test_loss_client_mean"], np.mean(losses), rtol=1e-5)
+    np.testing.assert_allclose(out["test_loss_client_std"], np.std(losses), rtol=1e-4)
+
+
 def png_bytes(pixels: np.ndarray) -> bytes:
     from PIL import Image
 
