@@ -559,20 +559,17 @@ def test_per_client_metrics_match_a_client_by_client_evaluation(emnist_dir):
     documented(PER_CLIENT_WITHOUT, "error: " + str(info.value), pathlib.Path("/nonexistent"))
 
 
-@needs_h5py
-def test_cli_run_on_tff_emnist_writes_per_client_metrics(emnist_dir):
-    directory, train, test = emnist_dir
-    write_tff_h5(directory / "fed_emnist_train.h5", train)
-    write_tff_h5(directory / "fed_emnist_test.h5", test)
-    workdir = directory / "run"
+def main(directory: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m experiments.main`` with FedAvg on ``--config.data.name=emnist`` in
+    ``directory``: 3 writers, 2 per round, 2 rounds."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "experiments.main",
             "--config=configs/fedavg.py",
-            f"--workdir={workdir}",
+            f"--workdir={directory / 'run'}",
             "--config.data.name=emnist",
             f"--config.data.data_dir={directory}",
             "--config.data.partition=natural",
@@ -584,7 +581,7 @@ def test_cli_run_on_tff_emnist_writes_per_client_metrics(emnist_dir):
             "--config.model.hidden_sizes=(16,)",
             "--config.eval_every=1",
             "--config.checkpoint_every=0",
-            "--config.eval_per_client=True",
+            *args,
         ],
         cwd=REPO,
         env=env,
@@ -592,6 +589,35 @@ def test_cli_run_on_tff_emnist_writes_per_client_metrics(emnist_dir):
         text=True,
         timeout=600,
     )
+
+
+def test_cli_bad_files_end_with_one_line(emnist_dir):
+    directory, train, test = emnist_dir
+    out = main(directory)  # nothing there
+    assert out.returncode == 1, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("error: Dataset 'emnist' is not in data.data_dir="), line
+    assert "python -m experiments.prepare emnist" in line
+    for features in train.values():
+        features["image"] = features.pop("pixels")  # a file of another dataset's features
+    write_fedjax_sqlite(directory / "federated_emnist_train.sqlite", train)
+    write_fedjax_sqlite(directory / "federated_emnist_test.sqlite", test)
+    out = main(directory)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line == (
+        f"error: {directory / 'federated_emnist_train.sqlite'}: client 'f0003_07' has no "
+        "feature 'pixels' (it has ['image', 'label'])."
+    )
+
+
+@needs_h5py
+def test_cli_run_on_tff_emnist_writes_per_client_metrics(emnist_dir):
+    directory, train, test = emnist_dir
+    write_tff_h5(directory / "fed_emnist_train.h5", train)
+    write_tff_h5(directory / "fed_emnist_test.h5", test)
+    workdir = directory / "run"
+    out = main(directory, "--config.eval_per_client=True")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows] == [0, 1, 2]

@@ -57,7 +57,7 @@ import pathlib
 import sqlite3
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -120,7 +120,7 @@ class ClientFile:
     def client_ids(self) -> list[str]:
         raise NotImplementedError
 
-    def read(self, client_id: str) -> dict[str, np.ndarray]:
+    def read(self, client_id: str) -> Mapping[str, np.ndarray]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -163,20 +163,32 @@ class HDF5ClientFile(ClientFile):
     def client_ids(self) -> list[str]:
         return sorted(self._examples.keys())
 
-    def read(self, client_id: str) -> dict[str, np.ndarray]:
+    def read(self, client_id: str) -> Mapping[str, np.ndarray]:
         group = self._examples[client_id]
         if not hasattr(group, "keys"):
             raise WrongLayoutError(
                 f"{self.path}: examples/{client_id} is a dataset, not a group of features; "
                 "TFF's files hold examples/<client_id>/<feature>."
             )
-        out = {}
-        for name in group:
-            values = group[name][()]
-            if values.dtype.kind in "SOU":
-                values = _text_array(values.reshape(-1))
-            out[name] = values
-        return out
+        return _HDF5Features(group)
+
+
+class _HDF5Features(Mapping):
+    """A client's features, each read when first used (StackOverflow's clients hold six text
+    features, of which next-word prediction reads one)."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        values = self._group[name][()]
+        return _text_array(values.reshape(-1)) if values.dtype.kind in "SOU" else values
+
+    def __iter__(self):
+        return iter(self._group.keys())
+
+    def __len__(self) -> int:
+        return len(self._group)
 
     def close(self) -> None:
         self._file.close()
