@@ -318,6 +318,7 @@ def test_cifar100_pachinko_tff_hdf5(tmp_path):
     assert x_test.shape == (6, 32, 32, 3) and meta["num_classes"] == 100
 
 
+@pytest.mark.slow  # compiles LLaMA-tiny's evaluations
 @needs_h5py
 def test_per_client_evaluation_of_a_language_model(tmp_path):
     import jax
@@ -342,12 +343,15 @@ def test_per_client_evaluation_of_a_language_model(tmp_path):
     config.model = {"name": "llama", "size": "tiny"}
     experiment = builders.build(config)
     params, state = experiment.init_params, experiment.init_model_state
-    out = builders.make_eval_fn(experiment)(params, state)
-    test = np.asarray(experiment.data.x_test)
+    sums = builders.make_client_sums_fn(experiment, 3, lambda batch: batch)
+    out = builders.client_metrics(jax.device_get(sums(params, state, experiment.data)))
+    test = experiment.data.x_test
     owner = np.asarray(experiment.data.test_client)
+    sums_fn = jax.jit(experiment.model.eval_fn)  # one shape: each client's windows by a mask
     losses = []
     for client in range(2):
-        sums = jax.device_get(experiment.model.eval_fn(params, state, {"x": test[owner == client]}))
+        mask = (owner == client).astype(np.float32)
+        sums = jax.device_get(sums_fn(params, state, {"x": test, "mask": mask}))
         losses.append(sums["loss_sum"] / sums["count"])
     np.testing.assert_allclose(out["test_loss_client_mean"], np.mean(losses), rtol=1e-5)
     np.testing.assert_allclose(out["test_loss_client_std"], np.std(losses), rtol=1e-4)
@@ -542,9 +546,9 @@ def test_per_client_metrics_match_a_client_by_client_evaluation(emnist_dir):
     params, state = experiment.init_params, experiment.init_model_state
     out = builders.make_eval_fn(experiment)(params, state)
     losses, accuracies = [], []
-    for cid in TEST_SIZES:
+    for cid in TEST_SIZES:  # each writer's test examples on their own, as the model sums them
         batch = {"x": test[cid]["pixels"][..., None], "y": test[cid]["label"]}
-        sums = jax.device_get(experiment.model.eval_fn(params, state, batch))
+        sums = jax.device_get(jax.jit(experiment.model.eval_fn)(params, state, batch))
         losses.append(sums["loss_sum"] / sums["count"])
         accuracies.append(sums["correct"] / sums["count"])
     assert out["test_clients"] == 3
@@ -611,6 +615,7 @@ def test_cli_bad_files_end_with_one_line(emnist_dir):
     )
 
 
+@pytest.mark.slow  # a run of 2 rounds in a fresh process
 @needs_h5py
 def test_cli_run_on_tff_emnist_writes_per_client_metrics(emnist_dir):
     directory, train, test = emnist_dir
