@@ -397,6 +397,8 @@ def read_clients(
         names.append(client_id)
         xs.append(x)
         ys.append(y)
+    if not xs:
+        raise WrongLayoutError(f"{file.path}: its first {len(ids)} clients hold no examples.")
     return Split(np.concatenate(xs), np.concatenate(ys), np.concatenate(owners), names)
 
 
@@ -408,45 +410,36 @@ class Source(NamedTuple):
 
     tff_files: tuple[str, str]  # (train, test) in the data folder
     tff_url: str  # the archive holding them
-    fedjax_files: tuple[str, str]
-    fedjax_urls: tuple[str, str]
+    fedjax_files: tuple[str, str]  # the names fedjax.datasets downloads or builds them as
 
 
 _TFF = "https://storage.googleapis.com/tff-datasets-public/"
-_FEDJAX = "https://storage.googleapis.com/gresearch/fedjax/"
 
 SOURCES: dict[str, Source] = {
     "emnist": Source(
         ("fed_emnist_train.h5", "fed_emnist_test.h5"),
         _TFF + "fed_emnist.tar.bz2",
         ("federated_emnist_train.sqlite", "federated_emnist_test.sqlite"),
-        tuple(_FEDJAX + f"emnist/federated_emnist_{s}.sqlite" for s in ("train", "test")),
     ),
     "emnist_digits": Source(
         ("fed_emnist_digitsonly_train.h5", "fed_emnist_digitsonly_test.h5"),
         _TFF + "fed_emnist_digitsonly.tar.bz2",
         ("federated_emnist_digitsonly_train.sqlite", "federated_emnist_digitsonly_test.sqlite"),
-        tuple(
-            _FEDJAX + f"emnist/federated_emnist_digitsonly_{s}.sqlite" for s in ("train", "test")
-        ),
     ),
     "shakespeare": Source(
         ("shakespeare_train.h5", "shakespeare_test.h5"),
         _TFF + "shakespeare.tar.bz2",
         ("shakespeare_train.sqlite", "shakespeare_test.sqlite"),
-        tuple(_FEDJAX + f"shakespeare/shakespeare_{s}.sqlite" for s in ("train", "test")),
     ),
     "stackoverflow": Source(
         ("stackoverflow_train.h5", "stackoverflow_test.h5"),
         _TFF + "stackoverflow.tar.bz2",
         ("stackoverflow_train.sqlite", "stackoverflow_test.sqlite"),
-        tuple(_FEDJAX + f"stackoverflow/stackoverflow_{s}.sqlite" for s in ("train", "test")),
     ),
     "cifar100_pachinko": Source(
         ("fed_cifar100_train.h5", "fed_cifar100_test.h5"),
         _TFF + "fed_cifar100.tar.bz2",
-        ("cifar100_train.sqlite", "cifar100_test.sqlite"),
-        tuple(_FEDJAX + f"cifar100/cifar100_{s}.sqlite" for s in ("train", "test")),
+        ("federated_cifar100_train.sqlite", "federated_cifar100_test.sqlite"),
     ),
 }
 STACKOVERFLOW_WORD_COUNT = "stackoverflow.word_count"
@@ -800,7 +793,8 @@ def load_cifar100_pachinko(
     max_test: int | None = None,
 ):
     """CIFAR-100 in TFF's Pachinko partition: 500 training clients of 100 images, 100 test
-    clients (TFF's ``fed_cifar100_{train,test}.h5``; Reddi et al. 2021, Sec. 5).
+    clients (TFF's ``fed_cifar100_{train,test}.h5`` or FedJAX's
+    ``federated_cifar100_{train,test}.sqlite``; Reddi et al. 2021, Sec. 5).
 
     Args:
       data_dir: the folder holding the files.
