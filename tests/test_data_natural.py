@@ -397,6 +397,28 @@ def test_parquet_with_a_client_column(tmp_path):
     assert meta["client_names"] == ["w1", "w5", "w9"]
     np.testing.assert_array_equal(meta["client_ids"], [0, 0, 1, 2, 2])
     assert x.shape == (5, 28, 28, 1) and x_test.shape == (2, 28, 28, 1)
+    # Numeric inputs; a test file without the client column is one pooled test client.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    features = rng.random((4, 3)).astype(np.float32)
+    pq.write_table(
+        pa.table({"x": features.tolist(), "user": ["b", "a", "b", "a"], "y": [0, 1, 2, 1]}),
+        tmp_path / "numeric.parquet",
+    )
+    pq.write_table(pa.table({"x": features[:1].tolist(), "y": [2]}), tmp_path / "held.parquet")
+    x, y, x_test, y_test, meta = natural.load_parquet(
+        data_dir=tmp_path,
+        train_file="numeric.parquet",
+        test_file="held.parquet",
+        client_column="user",
+        input_column="x",
+        label_column="y",
+    )
+    np.testing.assert_array_equal(x, features[[1, 3, 0, 2]])
+    np.testing.assert_array_equal(y, [1, 1, 0, 2])
+    np.testing.assert_array_equal(x_test, features[:1])
+    assert meta["num_classes"] == 3 and meta["test_client_names"] == ["all"]
     with pytest.raises(natural.WrongLayoutError) as info:
         natural.load_parquet(data_dir=tmp_path, client_column="user")
     assert str(info.value) == (
