@@ -42,6 +42,11 @@ The datasets (``data.name``), each with ``data.partition='natural'``:
 * ``parquet``: any parquet files with a client column (``client_column``), an input column
   (images as encoded PNG/JPEG bytes or arrays, or numeric lists) and an integer label column.
 
+The padding id 0 stays in the windows as a target: a ``task="lm"`` model of
+``fedorth.models`` counts it in its loss and accuracy unless it masks it, whereas TFF's reported
+accuracy leaves it out (its ``MaskedCategoricalAccuracy``), so compare accuracies with a model
+that masks padding.
+
 ``data.num_clients = N`` takes the first ``N`` clients in the file's order above (every client:
 ``N`` = the number in the file, which a larger ``N`` names). Only those clients are read. The
 test split pools the test file's clients (the first ``num_test_clients``; all by default), and
