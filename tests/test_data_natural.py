@@ -262,6 +262,32 @@ def test_stackoverflow_word_ids_follow_tff(tmp_path):
     assert meta["num_classes"] == 8 and x[2, -1] != eos  # a long row is cut without EOS
 
 
+def test_stackoverflow_held_out_users_are_the_validation_split(tmp_path):
+    for split in ("train", "test"):
+        write_fedjax_sqlite(tmp_path / f"stackoverflow_{split}.sqlite", stack_clients())
+    held = {"00000010": {"tokens": np.array([b"sort it", b"list"], dtype=object)}}
+    (tmp_path / "stackoverflow.word_count").write_text("list 9\nsort 8\n")
+    kwargs = {"vocab_size": 2, "sequence_length": 3, "num_held_out_clients": 1}
+    with pytest.raises(data_lib.DatasetNotPreparedError, match="stackoverflow_held_out.h5"):
+        data_lib.load_federated(
+            "stackoverflow", num_clients=2, partition="natural", seed=0,
+            data_dir=str(tmp_path), dataset_kwargs=kwargs,
+        )  # fmt: skip
+    write_fedjax_sqlite(tmp_path / "stackoverflow_held_out.sqlite", held)
+    fed = data_lib.load_federated(
+        "stackoverflow", num_clients=2, partition="natural", seed=0,
+        data_dir=str(tmp_path), dataset_kwargs=kwargs,
+    )  # fmt: skip
+    # oov 3, bos 4, eos 5: "sort it" -> [bos, sort, oov, eos]; "list" -> [bos, list, eos, pad]
+    np.testing.assert_array_equal(np.asarray(fed.x_val), [[4, 2, 3, 5], [4, 1, 5, 0]])
+    assert fed.x_train.shape == (3, 4) and fed.x_test.shape == (3, 4)
+    with pytest.raises(data_lib.DataConfigError, match="set one of them to 0"):
+        data_lib.load_federated(
+            "stackoverflow", num_clients=2, partition="natural", seed=0,
+            data_dir=str(tmp_path), dataset_kwargs=kwargs, validation_fraction=0.5,
+        )  # fmt: skip
+
+
 def test_stackoverflow_vocabulary_without_the_count_file_counts_users(tmp_path, caplog):
     write_fedjax_sqlite(tmp_path / "stackoverflow_train.sqlite", stack_clients())
     write_fedjax_sqlite(tmp_path / "stackoverflow_test.sqlite", stack_clients())

@@ -226,7 +226,15 @@ def _natural_federated(x_train, y_train, x_test, y_test, meta, seed, validation_
     ``meta["client_ids"] == i``."""
     owners = np.asarray(meta["client_ids"])
     held_out = None
-    if validation_fraction:
+    if "x_val" in meta:
+        if validation_fraction:
+            raise DataConfigError(
+                f"data.validation_fraction={validation_fraction} and the held-out clients of "
+                f"data.name={meta['name']!r} (data.dataset_kwargs.num_held_out_clients) both "
+                "make a validation split: set one of them to 0."
+            )
+        held_out = (meta["x_val"], meta["y_val"])
+    elif validation_fraction:
         x_train, y_train, held_out, keep = _hold_out(
             x_train, y_train, validation_fraction, seed, with_kept=True
         )

@@ -748,6 +748,7 @@ def load_stackoverflow(
     sequence_length: int = STACKOVERFLOW_SEQUENCE_LENGTH,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    num_held_out_clients: int = 0,
 ):
     """Federated StackOverflow by user, next-word prediction (TFF's
     ``stackoverflow_{train,test}.h5`` or FedJAX's ``stackoverflow_{train,test}.sqlite``; Reddi
@@ -764,11 +765,16 @@ def load_stackoverflow(
       sequence_length: words per example (TFF's 20).
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
+      num_held_out_clients: the first this many users of ``stackoverflow_held_out.h5`` (or
+        ``.sqlite``; TFF's users with ``user_id % 10 == 0``, none of them in the training file)
+        pooled as the validation split (``val_loss``, ``val_accuracy``); 0: none.
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: int32 ids ``[M, sequence_length + 1]``
-      (:func:`stackoverflow_ids`), ``y [M]`` the row length; vocabulary ``vocab_size + 4``.
+      (:func:`stackoverflow_ids`), ``y [M]`` the row length; vocabulary ``vocab_size + 4``;
+      ``meta["x_val"]``, ``meta["y_val"]`` the held-out users' examples.
     """
+    converters = []
 
     def with_vocab(train_file, clients):
         vocab = stackoverflow_vocab(data_dir, train_file, clients, vocab_size)
@@ -777,14 +783,39 @@ def load_stackoverflow(
             ids = stackoverflow_ids(features["tokens"], vocab, sequence_length)
             return ids, np.full(ids.shape[0], ids.shape[1], np.int32)
 
+        converters.append(to_examples)
         return to_examples
 
-    return _load(
+    out = _load(
         "stackoverflow",
         None,
         _lm_meta("stackoverflow", vocab_size + 4, sequence_length),
         Selection(data_dir, seed, num_clients, num_test_clients, max_test),
         with_vocab,
+    )
+    if num_held_out_clients:
+        path = _held_out_file(data_dir)
+        with open_client_file(path) as held_out_file:
+            held = read_clients(
+                held_out_file,
+                converters[0],
+                num_clients=num_held_out_clients,
+                skip_empty=True,
+                what="data.dataset_kwargs.num_held_out_clients",
+            )
+        out[4].update(x_val=held.x, y_val=held.y)
+    return out
+
+
+def _held_out_file(data_dir) -> pathlib.Path:
+    directory = _resolve_data_dir(data_dir)
+    for name in ("stackoverflow_held_out.h5", "stackoverflow_held_out.sqlite"):
+        if (directory / name).is_file():
+            return directory / name
+    raise DatasetNotPreparedError(
+        f"data.dataset_kwargs.num_held_out_clients reads stackoverflow_held_out.h5 (TFF) or "
+        f"stackoverflow_held_out.sqlite (FedJAX), neither of which is in {directory}: fetch "
+        f"{SOURCES['stackoverflow'].tff_url} (it holds the held-out file) and unpack it there."
     )
 
 
