@@ -154,7 +154,8 @@ def _download(name: str, url: str, target: pathlib.Path, data_dir: pathlib.Path)
 
 def prepare_natural(name: str, data_dir: pathlib.Path, url: str | None = None) -> str:
     """Downloads TFF's archive of dataset ``name`` (``url``: a mirror or a ``file://`` copy)
-    and unpacks its HDF5 files into ``data_dir``, where ``fedorth.data.natural`` reads them."""
+    and unpacks its HDF5 files into ``data_dir``, where ``fedorth.data.natural`` reads them;
+    for ``stackoverflow`` also ``stackoverflow.word_count.tar.bz2`` from the same folder."""
     from fedorth.data import natural
 
     source = natural.SOURCES[name]
@@ -164,8 +165,8 @@ def prepare_natural(name: str, data_dir: pathlib.Path, url: str | None = None) -
         return f"{name} is already prepared in {data_dir}."
     data_dir.mkdir(parents=True, exist_ok=True)
     archives = [url or source.tff_url]
-    if extra:
-        archives.append(natural.STACKOVERFLOW_WORD_COUNT_URL)
+    if extra:  # from beside the archive: TFF's bucket, or a mirror of it
+        archives.append(archives[0].rsplit("/", 1)[0] + "/stackoverflow.word_count.tar.bz2")
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         for address in archives:
             archive = pathlib.Path(tmp) / address.rsplit("/", 1)[-1]
@@ -223,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--url",
         default=None,
         help="the archive to fetch: a mirror or a local file:// (default: tiny_imagenet's zip, "
-        "TFF's archive of a natural-client dataset)",
+        "TFF's archive of a natural-client dataset; stackoverflow's word counts are fetched "
+        "from beside it)",
     )
     args = parser.parse_args(argv)
     from absl import logging

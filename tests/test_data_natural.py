@@ -568,6 +568,35 @@ def test_prepare_unpacks_tffs_archive_once_then_runs_offline(tmp_path, emnist_di
     np.testing.assert_array_equal(x_train, expected(train, sorted(TRAIN_SIZES))[0])
 
 
+@needs_h5py
+def test_prepare_stackoverflow_fetches_the_word_counts_from_beside_the_archive(tmp_path):
+    from experiments import prepare as prepare_lib
+
+    mirror, packed = tmp_path / "mirror", tmp_path / "packed"
+    mirror.mkdir()
+    packed.mkdir()
+    fixed = {c: {k: v.astype(bytes) for k, v in f.items()} for c, f in stack_clients().items()}
+    for split in ("train", "held_out", "test"):
+        write_tff_h5(packed / f"stackoverflow_{split}.h5", fixed)
+    (packed / "stackoverflow.word_count").write_text("list 9\nsort 8\n")
+    for archive, names in (
+        ("stackoverflow.tar.bz2", [f"stackoverflow_{s}.h5" for s in ("train", "held_out", "test")]),
+        ("stackoverflow.word_count.tar.bz2", ["stackoverflow.word_count"]),
+    ):
+        with tarfile.open(mirror / archive, "w:bz2") as tar:
+            for name in names:
+                tar.add(packed / name, arcname=name)
+    target = tmp_path / "data"
+    url = (mirror / "stackoverflow.tar.bz2").as_uri()
+    assert prepare_lib.prepare("stackoverflow", target, url=url) == (
+        f"stackoverflow prepared in {target}."
+    )
+    x = natural.load_stackoverflow(data_dir=target, vocab_size=2, sequence_length=4)[0]
+    # The vocabulary is the word-count file's: "how do i sort" -> bos 4, oov 3 (x3), sort 2.
+    assert x[0].tolist() == [4, 3, 3, 3, 2]
+    assert (target / "stackoverflow_held_out.h5").is_file()
+
+
 # ---------------------------------------------------------------- per-client evaluation, CLI
 
 
