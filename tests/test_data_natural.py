@@ -171,10 +171,13 @@ def test_load_federated_gives_each_file_client_its_examples(emnist_dir):
     np.testing.assert_array_equal(
         np.asarray(fed.test_client), np.repeat(np.arange(3), list(TEST_SIZES.values()))
     )
-    with pytest.raises(data_lib.DataConfigError, match="holds 3 clients: set data.num_clients"):
+    with pytest.raises(
+        data_lib.DataConfigError, match="holds 3 clients: set data.num_clients"
+    ) as info:
         data_lib.load_federated(
             "emnist", num_clients=4, partition="natural", seed=0, data_dir=str(directory)
         )
+    documented(TOO_MANY_CLIENTS, "error: " + str(info.value), directory)
     with pytest.raises(data_lib.DataConfigError, match="set data.partition=natural"):
         data_lib.load_federated(
             "emnist", num_clients=3, partition="iid", seed=0, data_dir=str(directory)
@@ -447,6 +450,7 @@ def test_parquet_with_a_client_column(tmp_path):
     assert meta["num_classes"] == 3 and meta["test_client_names"] == ["all"]
     with pytest.raises(natural.WrongLayoutError) as info:
         natural.load_parquet(data_dir=tmp_path, client_column="user")
+    documented(NO_CLIENT_COLUMN, "error: " + str(info.value), tmp_path)
     assert str(info.value) == (
         f"{tmp_path / 'train.parquet'} has no column 'user' naming the client "
         "(data.dataset_kwargs.client_column); its columns: ['image', 'writer_id', 'character']."
@@ -460,6 +464,10 @@ NO_EXAMPLES_GROUP = "an HDF5 file without TFF's `examples` group"
 NOT_FEDJAX = "an SQLite file without FedJAX's `federated_data` table"
 NO_H5PY = "an HDF5 file where h5py is not installed"
 NOT_NATURAL = "`data.name='emnist'`, `data.partition='iid'` (exit code 2)"
+TOO_MANY_CLIENTS = "`data.num_clients=4` on a file of 3 clients (exit code 2)"
+NO_CLIENT_COLUMN = (
+    "`data.dataset_kwargs.client_column='user'`, a column the parquet file lacks (exit code 2)"
+)
 PER_CLIENT_WITHOUT = "`eval_per_client=True` on `data.name='digits'` (exit code 2)"
 
 
