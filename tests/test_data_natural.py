@@ -184,6 +184,26 @@ def test_load_federated_gives_each_file_client_its_examples(emnist_dir):
         )
 
 
+def test_a_validation_fraction_keeps_each_client_its_own_examples(emnist_dir):
+    directory, train, test = emnist_dir
+    write_fedjax_sqlite(directory / "federated_emnist_train.sqlite", train)
+    write_fedjax_sqlite(directory / "federated_emnist_test.sqlite", test)
+    fed = data_lib.load_federated(
+        "emnist", num_clients=3, partition="natural", seed=1, data_dir=str(directory),
+        validation_fraction=0.25,
+    )  # fmt: skip
+    sizes = np.asarray(fed.client_size)
+    assert fed.x_val.shape[0] == 3 and sizes.sum() == 9
+    pooled = np.concatenate([train[c]["pixels"] for c in TRAIN_SIZES])[..., None]
+    held = {np.asarray(v).tobytes() for v in fed.x_val}
+    for i, cid in enumerate(TRAIN_SIZES):
+        rows = np.asarray(fed.x_train)[np.asarray(fed.client_index[i, : sizes[i]])]
+        own = {p.tobytes() for p in train[cid]["pixels"][..., None]}
+        assert {r.tobytes() for r in rows} <= own  # only its own writer's images
+        assert len(own - {r.tobytes() for r in rows} - held) == 0  # the rest were held out
+    assert len(held | {r.tobytes() for r in np.asarray(fed.x_train)}) == pooled.shape[0]
+
+
 def tff_shakespeare_reference(snippet: bytes, sequence_length: int) -> list[list[int]]:
     """TFF's to_tokens_and_pad, then batch(sequence_length + 1), written out by hand."""
     pad, oov, bos, eos = 0, len(TFF_CHARS) + 1, len(TFF_CHARS) + 2, len(TFF_CHARS) + 3

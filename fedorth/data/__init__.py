@@ -214,6 +214,8 @@ def load_federated(
 
 
 def natural_partition_message(name: str, partition: str) -> str:
+    """The one line refusing ``data.partition`` other than ``natural`` for dataset ``name``
+    (raised by :func:`load_federated` and by the config checks before anything loads)."""
     return (
         f"data.name={name!r} has natural clients, which data.partition={partition!r} would "
         "ignore: set data.partition=natural (data.num_clients takes the first N clients of its "
