@@ -25,7 +25,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.data.augment = False  # on-device random crop + flip (CIFAR-style images)
     config.data.rand_augment = False  # on-device RandAugment m9 n2 (ViT/Swin fine-tuning)
     config.data.image_size = 0  # resize batches to this square size on device (0: native)
-    config.data.data_dir = config_dict.placeholder(str)  # TFDS data_dir (None: TFDS default)
+    # The folder of prepared TFDS datasets and of the natural-client files (TFF's .h5, FedJAX's
+    # .sqlite, parquet; python -m experiments.prepare). None: $TFDS_DATA_DIR or
+    # ~/tensorflow_datasets.
+    config.data.data_dir = config_dict.placeholder(str)
     config.data.dataset_kwargs = ml_collections.ConfigDict()  # loader options (max_train, ...)
     config.data.partition_kwargs = ml_collections.ConfigDict()  # partitioner options
 
@@ -59,6 +62,10 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     config.eval_every = 5  # rounds between test evaluations (and metrics.jsonl rows)
     config.eval_batch_size = 512
+    # Also the mean and spread over the test clients of each one's loss and accuracy
+    # (test_*_client_mean/std/p10/p90 in metrics.jsonl): datasets whose test split has clients
+    # (fedorth.data.natural). Evaluation then runs example by example (slower).
+    config.eval_per_client = False
     config.checkpoint_every = 20  # rounds between orbax checkpoints (0: only at the end)
     config.log_condition_number = False  # FedMuon (Liu et al.) Figure 4: kappa of weight matrices
     # Experiment trackers besides metrics.jsonl (always written), comma-separated:

@@ -238,6 +238,11 @@ DATASET_SOURCES = {
     "yelp_polarity_reviews": "Yelp polarity reviews (TFDS)",
     "c4": "C4 en (TFDS), byte tokens",
     "tiny_imagenet": "Tiny ImageNet 200 (the extracted tiny-imagenet-200/ folder)",
+    "emnist": "EMNIST-62 by writer, 3,400 clients (TFF's .h5 or FedJAX's .sqlite)",
+    "shakespeare": "Shakespeare next character by role, 715 clients (TFF .h5, FedJAX .sqlite)",
+    "stackoverflow": "StackOverflow next word by user, 342,477 clients (TFF .h5, FedJAX .sqlite)",
+    "cifar100_pachinko": "CIFAR-100 by Pachinko allocation, 500 clients (TFF .h5, FedJAX .sqlite)",
+    "parquet": "parquet files with a client column (flwr-datasets, Hugging Face hub)",
 }
 
 

@@ -2,6 +2,8 @@ r"""Prepares a dataset of the paper presets once, where fedorth reads it.
 
     python -m experiments.prepare cifar100 [--data_dir=DIR]
     python -m experiments.prepare tiny_imagenet [--data_dir=DIR]
+    python -m experiments.prepare emnist [--data_dir=DIR]   # or shakespeare, stackoverflow,
+                                                           # cifar100_pachinko
     python -m experiments.prepare --list
 
 fedorth reads TFDS datasets from their prepared ``array_record`` files without TensorFlow
@@ -13,7 +15,12 @@ runs TFDS's builders, which encode images with TensorFlow. This command therefor
 
 and, without TensorFlow, stops with one line saying so (exit 2). Tiny ImageNet is not a TFDS
 dataset: its zip is downloaded and extracted with the standard library (no extra needed). The
-embedded datasets (``digits``, ``synthetic``, ``zipf_sentiment``) need nothing.
+datasets with natural clients (``emnist``, ``shakespeare``, ``stackoverflow``,
+``cifar100_pachinko``; ``fedorth.data.natural``) are TFF's ``.tar.bz2`` archives of HDF5 files
+(``fed_emnist_train.h5``, ...), downloaded and unpacked into ``DIR`` with the standard library
+(``stackoverflow`` also fetches ``stackoverflow.word_count``); runs then read them offline (with
+the ``tff`` extra, h5py). The embedded datasets (``digits``, ``synthetic``, ``zipf_sentiment``)
+need nothing.
 
 ``DIR`` defaults to ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``, where runs look
 (``config.data.data_dir``). A dataset already prepared there is left alone. A download that fails
@@ -28,6 +35,7 @@ import importlib.util
 import pathlib
 import shutil
 import sys
+import tarfile
 import tempfile
 import urllib.error
 import urllib.request
@@ -57,9 +65,12 @@ def tfds_datasets() -> list[str]:
     return sorted(fedorth_tfds._SPECS)  # noqa: SLF001 -- the loaders' own table
 
 
+NATURAL = ("emnist", "shakespeare", "stackoverflow", "cifar100_pachinko")
+
+
 def datasets() -> list[str]:
     """Every name this command accepts."""
-    return sorted([*EMBEDDED, *tfds_datasets(), "tiny_imagenet"])
+    return sorted([*EMBEDDED, *tfds_datasets(), "tiny_imagenet", *NATURAL])
 
 
 def have_tensorflow() -> bool:
@@ -128,6 +139,55 @@ def prepare_tiny_imagenet(data_dir: pathlib.Path, url: str = TINY_IMAGENET_URL) 
     return f"tiny_imagenet prepared in {target}."
 
 
+def _download(name: str, url: str, target: pathlib.Path, data_dir: pathlib.Path) -> None:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response, target.open("wb") as f:
+            shutil.copyfileobj(response, f)
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise PrepareError(
+            f"could not download {name} from {url}: {reason}. Check the network (or a proxy), "
+            f"or fetch {url} by hand and unpack it into {data_dir} (runs read the files there "
+            "offline)."
+        ) from e
+
+
+def prepare_natural(name: str, data_dir: pathlib.Path, url: str | None = None) -> str:
+    """Downloads TFF's archive of dataset ``name`` (``url``: a mirror or a ``file://`` copy)
+    and unpacks its HDF5 files into ``data_dir``, where ``fedorth.data.natural`` reads them;
+    for ``stackoverflow`` also ``stackoverflow.word_count.tar.bz2`` from the same folder."""
+    from fedorth.data import natural
+
+    source = natural.SOURCES[name]
+    files = [data_dir / f for f in source.tff_files]
+    extra = name == "stackoverflow" and not (data_dir / natural.STACKOVERFLOW_WORD_COUNT).is_file()
+    if all(f.is_file() for f in files) and not extra:
+        return f"{name} is already prepared in {data_dir}."
+    data_dir.mkdir(parents=True, exist_ok=True)
+    archives = [url or source.tff_url]
+    if extra:  # from beside the archive: TFF's bucket, or a mirror of it
+        archives.append(archives[0].rsplit("/", 1)[0] + "/stackoverflow.word_count.tar.bz2")
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        for address in archives:
+            archive = pathlib.Path(tmp) / address.rsplit("/", 1)[-1]
+            _download(name, address, archive, data_dir)
+            try:
+                with tarfile.open(archive) as tar:
+                    members = [m for m in tar.getmembers() if m.isfile()]
+                    for member in members:
+                        member.name = pathlib.PurePath(member.name).name  # flat, inside tmp
+                        tar.extract(member, tmp, filter="data")
+                        shutil.move(str(pathlib.Path(tmp) / member.name), data_dir / member.name)
+            except tarfile.TarError as e:
+                raise PrepareError(
+                    f"{address} is not the tar archive of {name} ({e}); fetch it again."
+                ) from e
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise PrepareError(f"{archives[0]} held no {', '.join(missing)}; fetch TFF's archive.")
+    return f"{name} prepared in {data_dir}."
+
+
 def prepare(name: str, data_dir: str | pathlib.Path | None = None, **kwargs) -> str:
     """Prepares dataset ``name``; returns the line to print.
 
@@ -142,6 +202,8 @@ def prepare(name: str, data_dir: str | pathlib.Path | None = None, **kwargs) -> 
         return f"{name} is embedded in fedorth: nothing to prepare."
     if name == "tiny_imagenet":
         return prepare_tiny_imagenet(directory, **kwargs)
+    if name in NATURAL:
+        return prepare_natural(name, directory, **kwargs)
     if name in tfds_datasets():
         return prepare_tfds(name, directory)
     error = PrepareError(f"unknown dataset {name!r}; valid: {', '.join(datasets())}.")
@@ -159,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="print the dataset names")
     parser.add_argument(
-        "--url", default=TINY_IMAGENET_URL, help="tiny_imagenet's zip (a mirror, a local file://)"
+        "--url",
+        default=None,
+        help="the archive to fetch: a mirror or a local file:// (default: tiny_imagenet's zip, "
+        "TFF's archive of a natural-client dataset; stackoverflow's word counts are fetched "
+        "from beside it)",
     )
     args = parser.parse_args(argv)
     from absl import logging
@@ -171,7 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(datasets()))
         return 0
     try:
-        kwargs = {"url": args.url} if args.name == "tiny_imagenet" else {}
+        kwargs = {}
+        if args.name == "tiny_imagenet":
+            kwargs = {"url": args.url or TINY_IMAGENET_URL}
+        elif args.name in NATURAL:
+            kwargs = {"url": args.url}
         print(prepare(args.name, args.data_dir, **kwargs))
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,10 +9,12 @@ Typical use::
 Partitioners by name: ``partition_lib.partition(name, labels, num_clients, seed=..., ...)``
 (module :mod:`fedorth.data.partition`, registry :data:`PARTITIONERS`).
 
-Datasets by name (:func:`load_dataset`): ``digits`` and ``synthetic`` (embedded, no download) and
+Datasets by name (:func:`load_dataset`): ``digits`` and ``synthetic`` (embedded, no download),
 the TFDS/folder loaders of :mod:`fedorth.data.tfds` (``mnist``, ``fashion_mnist``, ``cifar10``,
 ``cifar100``, ``glue/sst2``, ``sentiment140``, ``yelp_polarity_reviews``, ``c4``,
-``tiny_imagenet``).
+``tiny_imagenet``), and the datasets with natural clients of :mod:`fedorth.data.natural`
+(``emnist``, ``shakespeare``, ``stackoverflow``, ``cifar100_pachinko``, ``parquet``), read from
+TFF's HDF5, FedJAX's SQLite or parquet files.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from fedorth.data import embedded, glue, heavy_tailed, tfds
+from fedorth.data import embedded, glue, heavy_tailed, natural, tfds
 from fedorth.data import partition as partition_lib
 from fedorth.data.embedded import load_digits, load_synthetic, synthetic
 from fedorth.data.federated import (
@@ -48,12 +50,15 @@ __all__ = [
     "FederatedData",
     "client_permutation",
     "embedded",
+    "has_natural_clients",
     "label_histogram",
     "load_dataset",
     "load_digits",
     "load_federated",
     "load_synthetic",
     "make_federated",
+    "natural",
+    "natural_partition_message",
     "num_test_batches",
     "partition_lib",
     "sample_batch",
@@ -83,7 +88,14 @@ DATASETS: dict[str, Callable[..., Any]] = {
     "zipf_sentiment": heavy_tailed.load_zipf_sentiment,
     **tfds.LOADERS,
     **glue.LOADERS,  # GLUE with subword tokens (glue/sst2 keeps its word vocabulary without)
+    **natural.LOADERS,  # writers, roles, users: TFF's HDF5, FedJAX's SQLite, parquet
 }
+
+
+def has_natural_clients(name: str) -> bool:
+    """Whether dataset ``name`` has natural clients that its loader reads itself (the first
+    ``data.num_clients`` of its files; ``data.partition='natural'``)."""
+    return getattr(DATASETS.get(name), "natural_clients", False)
 
 
 def load_dataset(name: str, *, data_dir=None, seed: int = 0, **kwargs):
@@ -100,7 +112,8 @@ def load_dataset(name: str, *, data_dir=None, seed: int = 0, **kwargs):
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``; ``meta`` has at least ``name``,
       ``num_classes`` and ``task`` (``"classification"`` or ``"lm"``, the task names of
-      ``fedorth.models``), and ``client_ids`` where the data has natural clients.
+      ``fedorth.models``), and ``client_ids`` where the data has natural clients (with
+      ``test_client_ids`` where its test split has clients too).
     """
     if name not in DATASETS:
         raise ValueError(f"Unknown dataset {name!r}; valid choices: {sorted(DATASETS)}.")
@@ -124,7 +137,9 @@ def load_federated(
       name: dataset name (see :func:`load_dataset`).
       num_clients: number of clients.
       partition: partitioner name (see :data:`PARTITIONERS`); ``natural`` uses the dataset's
-        ``meta["client_ids"]`` unless ``groups`` is given.
+        ``meta["client_ids"]`` unless ``groups`` is given. A dataset whose loader reads its own
+        clients (:func:`has_natural_clients`) needs ``natural``: its first ``num_clients``
+        clients, in the file's order, are the clients.
       seed: NumPy seed for loading and partitioning.
       data_dir: data folder for the TFDS / Tiny ImageNet loaders.
       dataset_kwargs: options for the loader.
@@ -134,11 +149,18 @@ def load_federated(
       **partition_kwargs: options for the partitioner (``alpha``, ``min_size``, ``ratios``, ...).
 
     Returns:
-      The :class:`FederatedData`.
+      The :class:`FederatedData` (with ``test_client`` where the test split has clients).
     """
+    dataset_kwargs = dict(dataset_kwargs or {})
+    if has_natural_clients(name):
+        if partition != "natural":
+            raise DataConfigError(natural_partition_message(name, partition))
+        dataset_kwargs["num_clients"] = num_clients
     x_train, y_train, x_test, y_test, meta = load_dataset(
-        name, data_dir=data_dir, seed=seed, **(dataset_kwargs or {})
+        name, data_dir=data_dir, seed=seed, **dataset_kwargs
     )
+    if has_natural_clients(name):
+        return _natural_federated(x_train, y_train, x_test, y_test, meta, seed, validation_fraction)
     if partition == "natural" and "groups" not in partition_kwargs:
         if "client_ids" not in meta:
             raise ValueError(
@@ -191,8 +213,58 @@ def load_federated(
     return data.replace(x_val=jnp.asarray(x_val), y_val=jnp.asarray(y_val))
 
 
-def _hold_out(x_train, y_train, fraction: float, seed: int):
-    """``(x_train, y_train, (x_val, y_val))``: a random ``fraction`` of the examples held out."""
+def natural_partition_message(name: str, partition: str) -> str:
+    """The one line refusing ``data.partition`` other than ``natural`` for dataset ``name``
+    (raised by :func:`load_federated` and by the config checks before anything loads)."""
+    return (
+        f"data.name={name!r} has natural clients, which data.partition={partition!r} would "
+        "ignore: set data.partition=natural (data.num_clients takes the first N clients of its "
+        "files, in their order)."
+    )
+
+
+def _natural_federated(x_train, y_train, x_test, y_test, meta, seed, validation_fraction):
+    """The loader's clients as they are: client ``i`` holds the examples with
+    ``meta["client_ids"] == i``."""
+    owners = np.asarray(meta["client_ids"])
+    held_out = None
+    if "x_val" in meta:
+        if validation_fraction:
+            raise DataConfigError(
+                f"data.validation_fraction={validation_fraction} and the held-out clients of "
+                f"data.name={meta['name']!r} (data.dataset_kwargs.num_held_out_clients) both "
+                "make a validation split: set one of them to 0."
+            )
+        held_out = (meta["x_val"], meta["y_val"])
+    elif validation_fraction:
+        x_train, y_train, held_out, keep = _hold_out(
+            x_train, y_train, validation_fraction, seed, with_kept=True
+        )
+        owners = owners[keep]
+    count = len(meta["client_names"])
+    order = np.argsort(owners, kind="stable")
+    starts = np.searchsorted(owners[order], np.arange(count + 1))
+    parts = [order[starts[i] : starts[i + 1]] for i in range(count)]
+    empty = [meta["client_names"][i] for i, part in enumerate(parts) if part.size == 0]
+    if empty:
+        raise DataConfigError(
+            f"data.validation_fraction={validation_fraction} held out every example of "
+            f"{len(empty)} clients ({empty[:5]}) of data.name={meta['name']!r}: lower it."
+        )
+    data = make_federated(
+        x_train, y_train, x_test, y_test, parts, meta["name"], meta["num_classes"]
+    )
+    if meta.get("test_client_ids") is not None:
+        data = data.replace(test_client=jnp.asarray(meta["test_client_ids"], jnp.int32))
+    if held_out is not None:
+        x_val, y_val = held_out
+        data = data.replace(x_val=jnp.asarray(x_val), y_val=jnp.asarray(y_val))
+    return data
+
+
+def _hold_out(x_train, y_train, fraction: float, seed: int, *, with_kept: bool = False):
+    """``(x_train, y_train, (x_val, y_val))``: a random ``fraction`` of the examples held out
+    (``with_kept``: and the indices of the examples kept)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"data.validation_fraction={fraction} must lie in [0, 1).")
     x_train, y_train = np.asarray(x_train), np.asarray(y_train)
@@ -205,4 +277,6 @@ def _hold_out(x_train, y_train, fraction: float, seed: int):
         )
     order = np.random.default_rng(seed).permutation(count)
     val, keep = np.sort(order[:held]), np.sort(order[held:])
+    if with_kept:
+        return x_train[keep], y_train[keep], (x_train[val], y_train[val]), keep
     return x_train[keep], y_train[keep], (x_train[val], y_train[val])

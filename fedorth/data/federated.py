@@ -55,6 +55,9 @@ class FederatedData:
       x_val: ``[V, ...]`` validation inputs held out of the training data
         (``data.validation_fraction``; ``load_federated``), or None.
       y_val: ``[V, ...]`` validation targets, or None.
+      test_client: ``[T]`` int32 client of each test example where the test split has clients
+        (datasets with natural clients, ``fedorth.data.natural``), or None; per-client
+        evaluation (``eval_per_client``) groups the test examples by it.
     """
 
     x_train: jax.Array
@@ -68,6 +71,7 @@ class FederatedData:
     frozen_params: Any = None
     x_val: jax.Array | None = None
     y_val: jax.Array | None = None
+    test_client: jax.Array | None = None
 
     @property
     def num_clients(self) -> int:

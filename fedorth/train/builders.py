@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from absl import logging
 
@@ -306,6 +307,8 @@ IMAGE_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "cifar10": ((32, 32, 3), 10),
     "cifar100": ((32, 32, 3), 100),
     "tiny_imagenet": ((64, 64, 3), 200),
+    "emnist": ((28, 28, 1), 62),
+    "cifar100_pachinko": ((32, 32, 3), 100),
 }
 _TEXT_DATASETS = ("glue/sst2", "sentiment140", "yelp_polarity_reviews")
 
@@ -332,7 +335,17 @@ def input_spec(
     kwargs = dict(dataset_kwargs or {})
     if name in IMAGE_SHAPES:
         shape, classes = IMAGE_SHAPES[name]
+        if name == "emnist" and kwargs.get("only_digits"):
+            classes = 10
         return shape, jnp.float32, classes
+    natural = data_lib.natural
+    if name == "shakespeare":
+        seq_len = int(_loader_default(natural.load_shakespeare, "sequence_length", kwargs))
+        return (seq_len + 1,), jnp.int32, natural.SHAKESPEARE_VOCAB_SIZE
+    if name == "stackoverflow":
+        seq_len = int(_loader_default(natural.load_stackoverflow, "sequence_length", kwargs))
+        vocab = int(_loader_default(natural.load_stackoverflow, "vocab_size", kwargs))
+        return (seq_len + 1,), jnp.int32, vocab + 4
     if name in data_lib.glue.LOADERS and (name != "glue/sst2" or kwargs.get("tokenizer")):
         task = data_lib.glue.GLUE_TASKS[name.split("/")[1]]
         max_len = int(_loader_default(data_lib.glue.load_glue, "max_len", kwargs))
@@ -351,7 +364,9 @@ def input_spec(
         dim = int(_loader_default(data_lib.load_synthetic, "dim", kwargs))
         classes = int(_loader_default(data_lib.load_synthetic, "num_classes", kwargs))
         return (dim,), jnp.float32, classes
-    valid = sorted([*IMAGE_SHAPES, *_TEXT_DATASETS, "c4", "synthetic"])
+    valid = sorted(
+        [*IMAGE_SHAPES, *_TEXT_DATASETS, "c4", "synthetic", "shakespeare", "stackoverflow"]
+    )
     raise ValueError(f"data.name={name!r} has no known input shape; valid: {valid}.")
 
 
@@ -435,7 +450,9 @@ def make_eval_fn(experiment: Experiment):
     ``test_auc`` (exact ROC AUC) appears when the model's ``eval_fn`` returns per-example scores
     under ``"per_example"`` (``fedorth.models.auc``). With a validation split
     (``data.validation_fraction``) the same metrics of it come as ``val_loss``,
-    ``val_accuracy`` (``val_auc``).
+    ``val_accuracy`` (``val_auc``). With ``eval_per_client=True`` (a test split whose examples
+    have clients, ``FederatedData.test_client``) the loss and accuracy of each test client
+    are summarized over the clients (:func:`client_metrics`).
     """
     batch_size = int(experiment.config.get("eval_batch_size", 256))
     fed_data = experiment.data
@@ -481,14 +498,94 @@ def make_eval_fn(experiment: Experiment):
     if fed_data.x_val is not None:  # evaluated like the test split (a second compilation)
         validation = fed_data.replace(x_test=fed_data.x_val, y_test=fed_data.y_val)
 
+    per_client = None
+    if experiment.config.get("eval_per_client", False):
+        per_client = make_client_sums_fn(experiment, batch_size, resize_batch)
+
     def evaluate(params, model_state):
         out = evaluate_split(params, model_state, fed_data)
         if validation is not None:
             held = evaluate_split(params, model_state, validation)
             out.update({"val" + k[len("test") :]: v for k, v in held.items()})
+        if per_client is not None:
+            out.update(client_metrics(jax.device_get(per_client(params, model_state, fed_data))))
         return out
 
     return evaluate
+
+
+PER_CLIENT_DATASETS = "emnist, shakespeare, stackoverflow, cifar100_pachinko, parquet"
+
+
+def make_client_sums_fn(experiment: Experiment, batch_size: int, resize_batch):
+    """``sums(params, model_state, data) -> {"loss_sum", "correct", "count"}``, each ``[C]``:
+    the evaluation sums of each test client (``FederatedData.test_client``), example by
+    example (the model's ``eval_fn`` vmapped over batches of one), so that the sums are those
+    of the whole-split evaluation, split by client."""
+    fed_data = experiment.data
+    if fed_data.test_client is None:
+        raise ConfigError(
+            f"eval_per_client=True needs a test split whose examples have clients; "
+            f"data.name={experiment.config.data.name!r} has none (datasets with them: "
+            f"{PER_CLIENT_DATASETS}): set eval_per_client=False."
+        )
+    num_clients = int(jax.device_get(jnp.max(fed_data.test_client))) + 1
+    num_batches = data_lib.num_test_batches(fed_data, batch_size)
+    num_test = fed_data.x_test.shape[0]
+    model = experiment.model
+    keys = ("loss_sum", "correct", "count")
+
+    @jax.jit
+    def sums(params, model_state, data):
+        def step(carry, index):
+            batch = resize_batch(data_lib.test_batch(data, index, batch_size))
+            frozen = batch.pop("frozen", None)
+
+            def one(example):
+                single = {k: v[None] for k, v in example.items()}
+                if frozen is not None:
+                    single["frozen"] = frozen
+                return model.eval_fn(params, model_state, single)
+
+            outs = jax.vmap(one)(batch)
+            rows = index * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
+            owner = data.test_client[jnp.minimum(rows, num_test - 1)]
+            carry = {
+                k: carry[k]
+                + jax.ops.segment_sum(
+                    outs.get(k, jnp.zeros(batch_size)), owner, num_segments=num_clients
+                )
+                for k in keys
+            }
+            return carry, None
+
+        zeros = {k: jnp.zeros(num_clients, jnp.float32) for k in keys}
+        carry, _ = jax.lax.scan(step, zeros, jnp.arange(num_batches, dtype=jnp.int32))
+        return carry
+
+    return sums
+
+
+def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
+    """Mean and spread over the test clients of each client's loss and accuracy.
+
+    Client ``c``'s loss is ``loss_sum[c] / count[c]`` and its accuracy ``correct[c] / count[c]``
+    (clients without test examples are left out); each is summarized by its unweighted mean
+    over clients, standard deviation (``ddof=0``), and 10th and 90th percentiles:
+    ``test_loss_client_mean``, ``test_loss_client_std``, ``test_loss_client_p10``,
+    ``test_loss_client_p90`` and the same for ``test_accuracy_client_*``, plus
+    ``test_clients`` (how many clients were evaluated).
+    """
+    count = np.asarray(sums["count"], np.float64)
+    present = count > 0
+    out = {"test_clients": float(present.sum())}
+    for name, key in (("loss", "loss_sum"), ("accuracy", "correct")):
+        values = np.asarray(sums[key], np.float64)[present] / count[present]
+        out[f"test_{name}_client_mean"] = float(values.mean())
+        out[f"test_{name}_client_std"] = float(values.std())
+        out[f"test_{name}_client_p10"] = float(np.percentile(values, 10))
+        out[f"test_{name}_client_p90"] = float(np.percentile(values, 90))
+    return out
 
 
 def condition_numbers(params) -> dict[str, float]:

@@ -151,8 +151,11 @@ def _check_data(c: _Checker, config) -> None:
             "data.dataset_kwargs",
             _as_dict(cfg.get("dataset_kwargs")),
             data_lib.DATASETS[name],
-            skip=("data_dir", "seed"),
+            skip=("data_dir", "seed", "num_clients"),
         )
+        partition = cfg.get("partition", "iid")
+        if data_lib.has_natural_clients(name) and partition != "natural":
+            c.fail(data_lib.natural_partition_message(name, partition))
     c.integer("data.num_clients", cfg.get("num_clients"), 1)
     if cfg.get("image_size") is not None:
         c.integer(
