@@ -137,6 +137,40 @@ def test_cheng_momentum_family_matches_numpy(name, vr, cv):
             _close(jax.tree.map(lambda a: a[i], server.clients.control), ci[i], f"c_{i}")
 
 
+# ---- Li et al. 2020: FedProx --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "sequential"])
+def test_fedprox_matches_li_alg2(strategy):
+    """FedProx (Li et al. 2020, Alg. 2), K SGD steps on h_i(w) = f_i(w) + mu/2 ||w - x^r||^2
+    (decoupled weight decay after the direction), x^{r+1} = x^r + server_lr mean_i(x_i^K - x^r)."""
+    mu, wd, server_lr = 0.4, 0.01, 0.8
+    data = fp.quadratic_clients(N, seed=13)
+    alg = fed.get_algorithm("fedprox", {"name": "sgd", "weight_decay": wd}, mu=mu,
+                            server_lr=server_lr)  # fmt: skip
+    server = _run(alg, data, strategy=strategy)
+
+    x = _zeros()
+    for r in range(R):
+        deltas = []
+        for i in _ids(r):
+            y = dict(x)
+            for _ in range(K):
+                g = _map(lambda a, w, x0: a + mu * (w - x0), _grad(data, i, y), y, x)
+                y = _map(lambda w, d: w - LR * (d + wd * w), y, g)
+            deltas.append(_map(np.subtract, y, x))
+        x = _map(lambda a, d: a + server_lr * d, x, _mean(deltas))
+    _close(server.params, x, "x")
+
+
+def test_fedprox_with_mu_zero_is_fedavg():
+    data = fp.quadratic_clients(N, seed=13)
+    a = _run(fed.get_algorithm("fedprox", {"name": "sgd"}, mu=0.0), data)
+    b = _run(fed.get_algorithm("fedavg", {"name": "sgd"}), data)
+    for leaf_a, leaf_b in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(leaf_a, leaf_b)
+
+
 def test_fedavg_m_with_averaging_server_is_fedcm():
     """Without a server lr (gamma = K eta) FedAvg-M is FedCM (Xu et al. 2021) with alpha = beta."""
     data = fp.quadratic_clients(N, seed=12)

@@ -115,6 +115,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "fedpac_sophia": ("fedpac_sophia", {"name": "sophia"}, {}),
     "fedpac_sophia_light": ("fedpac_sophia_light", {"name": "sophia"}, {}),
     "fedpm": ("fedpm", {"name": "sophia"}, {}),
+    "fedprox": ("fedprox", SGD, {"mu": 0.1}),
     "fedsgda_clip": ("fedsgda_clip", SGD, {}),
     "fedsgda_m": ("fedsgda_m", SGD, {}),
     "fess_gda": ("fess_gda", SGD, {}),

@@ -331,6 +331,38 @@ def add_control_variate() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def add_proximal_term(mu: float) -> optax.GradientTransformationExtraArgs:
+    r"""Adds FedProx's proximal gradient ``mu (w - x^r)`` to the updates (Li et al. 2020, Alg. 2).
+
+    .. math:: g \leftarrow g + \mu (w - x^r)
+
+    the gradient of ``h_i(w) = f_i(w) + mu/2 ||w - x^r||^2`` at the client's current ``w``, with
+    ``x^r`` the model the round's clients started from (``round_context.params``).
+
+    Returns:
+      A transform whose ``update`` takes the parameters ``w`` and the extra argument
+      ``round_context`` (:class:`fedorth.fed.RoundContext`).
+    """
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, round_context=None, **extra_args):
+        del extra_args
+        if params is None or round_context is None:
+            raise ValueError("add_proximal_term needs the parameters and `round_context`.")
+        out = jax.tree.map(
+            lambda g, w, x: (g + mu * (w - x.astype(w.dtype))).astype(g.dtype),
+            updates,
+            params,
+            round_context.params,
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def scale_by_round_learning_rate(flip_sign: bool = True) -> optax.GradientTransformationExtraArgs:
     r"""Scales by the round's learning rate, given by the engine as the extra arg ``learning_rate``.
 

@@ -33,6 +33,7 @@ from fedorth.fed.algorithms.fedmuon import fedmuon, fedmuon_svd
 from fedorth.fed.algorithms.fedmuon_bc import fedmuon_bc
 from fedorth.fed.algorithms.fedmuon_zg import fedmuon_zg
 from fedorth.fed.algorithms.fedpac import LIGHT_RATIOS, fedpac
+from fedorth.fed.algorithms.fedprox import fedprox
 from fedorth.fed.algorithms.minimax import fed_nsgda_m, fedmuon_da, fedsgda_clip
 from fedorth.fed.algorithms.minimax_baselines import (
     f_sagda,
@@ -65,6 +66,7 @@ ALGORITHMS: dict[str, Callable[..., FedAlgorithm]] = {
     "fedadam": fedadam,
     "scaffold": scaffold,
     "fedcm": fedcm,
+    "fedprox": fedprox,
     "fedmuon": fedmuon,
     "fedmuon_svd": fedmuon_svd,
     "fedmuon_bc": fedmuon_bc,
