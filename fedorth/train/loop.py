@@ -350,13 +350,14 @@ def check_round_spans_processes(round_fn, server, data) -> None:
         for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
         for device in sharding.device_set
     }
-    missing = sorted({d.process_index for d in jax.devices()} - {d.process_index for d in used})
     if used != set(jax.devices()):
+        holders = sorted({d.process_index for d in used})
         raise RoundPlacementError(
-            f"The round is compiled for {len(used)} of the run's {len(jax.devices())} devices "
-            f"(processes without one: {missing or 'none'}); a multi-process round must span "
-            "every process's devices: leave fed.mesh unset (its mesh is then every device) and "
-            "start every process with the same device count."
+            f"The round is compiled for {len(used)} of the {len(jax.devices())} devices of the "
+            f"run's {jax.process_count()} processes (on processes {holders}): a "
+            "multi-process round must span every process's devices, or the processes left out "
+            "cannot read the state it returns; give fedorth.fed.RoundConfig a mesh of all "
+            "jax.devices(), or none (fedorth.train.distributed.round_mesh)."
         )
 
 
