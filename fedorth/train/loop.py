@@ -823,7 +823,7 @@ def _train_rounds(
                 row.update(comm_row())
                 row["wall_s"] = wall_offset + time.perf_counter() - start
                 if config.get("log_condition_number", False):
-                    kappa = builders.condition_numbers(server.params)
+                    kappa = builders.condition_numbers(to_host(server.params))
                     row["condition_number_mean"] = float(np.mean(list(kappa.values())))
                     row["condition_number_max"] = float(np.max(list(kappa.values())))
                 bad = [k for k, v in row.items() if not math.isfinite(v)]
