@@ -468,15 +468,19 @@ def _refuse_replica_folder(workdir: pathlib.Path) -> None:
     the sweep's checkpoint, which a single run cannot resume, so a single run would start it over
     and cut the sweep's rows."""
     parent = workdir.absolute().parent
-    saved = checkpoint_lib.saved_config(parent / "checkpoints")
-    identity = saved[1] if saved is not None else None
-    if identity is None or "sweep_grid" not in identity:
-        try:
-            identity = json.loads((parent / "sweep.json").read_text())
-        except (OSError, ValueError):
-            return
-    grid = identity.get("sweep_grid") if isinstance(identity, dict) else None
-    if not isinstance(grid, list):
+    # A sweep's state is in its workdir, or, for the jobs of --sweep.shard, in a folder per job.
+    for state in [parent, *sorted(parent.glob("shard_*_of_*"))]:
+        saved = checkpoint_lib.saved_config(state / "checkpoints")
+        identity = saved[1] if saved is not None else None
+        if identity is None or "sweep_grid" not in identity:
+            try:
+                identity = json.loads((state / "sweep.json").read_text())
+            except (OSError, ValueError):
+                continue
+        grid = identity.get("sweep_grid") if isinstance(identity, dict) else None
+        if isinstance(grid, list):
+            break
+    else:
         return
     from fedorth.sweep.grid import replica_name  # the sweep's package imports this module
 
