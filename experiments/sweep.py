@@ -22,6 +22,10 @@ signals, deleted folders). Ctrl-C or SIGTERM stops after the round in progress, 
 (sequential on CPU; on an accelerator the faster of the two, timed on the first round),
 ``sequential`` (one compiled round, run once per replica) or ``vmap``;
 ``--replica_chunk_size`` bounds the replicas vmapped at once.
+
+``--sweep.shard=i/n`` runs slice ``i`` of ``n`` of the grid (replicas ``i``, ``i + n``, ...) as
+an independent job in the same workdir (a SLURM job array); ``experiments.report WORKDIR`` reads
+the union (docs/SWEEPS.md).
 """
 
 from __future__ import annotations
@@ -51,14 +55,24 @@ _CHUNK = flags.DEFINE_integer(
 flags.mark_flags_as_required(["config", "workdir"])
 
 _GRID: dict[str, str] = {}
+_SHARD: list[tuple[int, int]] = []
 
 
 def flags_parser(argv: list[str]) -> list[str]:
     """Takes the ``--sweep.*`` grid out of ``argv``, resolves ``--config``, parses the flags."""
-    from fedorth.sweep.grid import SweepError, parse_sweep_argv
+    from fedorth.sweep.grid import SweepError, parse_shard, parse_sweep_argv
 
     try:
         argv, grid = parse_sweep_argv(argv)
+        if "shard" in grid:
+            _SHARD.append(parse_shard(grid.pop("shard")))
+            launch = [a for a in argv if a.startswith(("--distributed", "--coordinator_address"))]
+            if launch:
+                raise SweepError(
+                    f"--sweep.shard with {launch[0].partition('=')[0]}: a slice of the grid is "
+                    "an independent job of one process; run the slices as separate jobs "
+                    "without --distributed, or the whole grid with --distributed."
+                )
         argv = resolve_config_argv(argv)
     except (SweepError, ConfigArgumentError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -96,6 +110,8 @@ def main(argv):
     catalog.apply_command_line_switches(config, flags.FLAGS["config"])
     try:
         grid = Grid(config, values)
+        if _SHARD:
+            grid = grid.sliced(*_SHARD[0])
         run_sweep(
             config,
             grid,

@@ -18,6 +18,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 from test_reliability import apply
 
@@ -77,12 +78,13 @@ def _env(devices: int, xla_cache: pathlib.Path | None = None) -> dict[str, str]:
     return env
 
 
-def _main(
-    args: list[str], devices: int, log: pathlib.Path, xla_cache: pathlib.Path
+def _cli(
+    argv: list[str], devices: int, log: pathlib.Path, xla_cache: pathlib.Path
 ) -> subprocess.Popen:
+    """``python -m experiments.main *argv`` on ``devices`` CPU devices, its output in ``log``."""
     with log.open("w") as out:  # stdout and stderr, read once the process ends
         return subprocess.Popen(
-            [sys.executable, "-m", "experiments.main", *TINY, *args],
+            [sys.executable, "-m", "experiments.main", *argv],
             cwd=ROOT,
             env=_env(devices, xla_cache),
             stdout=out,
@@ -90,27 +92,34 @@ def _main(
         )
 
 
-def _distributed(
-    workdir, rounds: int, tmp_path, xla_cache: pathlib.Path, *extra: str
+def _two_processes(
+    argv: list[str], devices: int, logs: pathlib.Path, xla_cache: pathlib.Path
 ) -> list[subprocess.Popen]:
+    """``argv`` as the two processes of one ``--distributed`` run on localhost, ``devices`` CPU
+    devices each; process i's output in ``logs/process_i.log``."""
     port = _free_port()
     return [
-        _main(
+        _cli(
             [
-                f"--workdir={workdir}",
-                f"--config.fed.rounds={rounds}",
+                *argv,
                 "--distributed",
                 f"--coordinator_address=127.0.0.1:{port}",
                 "--num_processes=2",
                 f"--process_id={i}",
-                *extra,
             ],
-            devices=1,
-            log=tmp_path / f"process_{i}.log",
+            devices=devices,
+            log=logs / f"process_{i}.log",
             xla_cache=xla_cache,
         )
         for i in range(2)
     ]
+
+
+def _distributed(
+    workdir, rounds: int, tmp_path, xla_cache: pathlib.Path, *extra: str
+) -> list[subprocess.Popen]:
+    argv = [*TINY, f"--workdir={workdir}", f"--config.fed.rounds={rounds}", *extra]
+    return _two_processes(argv, 1, tmp_path, xla_cache)
 
 
 def _stop(processes):
@@ -384,3 +393,217 @@ def test_sigterm_and_ctrl_c_stop_every_process_at_one_saved_round(tmp_path, xla_
         assert steps[-1] == rounds[0], f"{how}: round {rounds[0]} is saved ({steps})"
         metrics = [json.loads(line)["round"] for line in (workdir / "metrics.jsonl").open()]
         assert metrics == list(range(rounds[0] + 1)), metrics
+
+
+# ---------------------------------------------------------- every config, several layouts
+
+# configs/fedavg.py as it ships: N = 20 clients, S = 5 per round, which divide over one device.
+SHIPPED_FEDAVG = [
+    "--config=configs/fedavg.py",
+    "--config.fed.rounds=3",
+    "--config.eval_every=3",
+    "--config.fed.strategy=sharded",
+]
+# The papers' shape scaled down: N = 100 clients, S = 10 per round, K = 2 local steps.
+CLIENTS_100 = [
+    "--config.data.num_clients=100",
+    "--config.fed.clients_per_round=10",
+    "--config.fed.local_steps=2",
+    "--config.model.hidden_sizes=(32,)",
+    "--config.fed.strategy=sharded",
+]
+
+
+def _run_both(
+    argv: list[str], devices: int, tmp_path: pathlib.Path, xla_cache: pathlib.Path
+) -> None:
+    """``argv`` as two processes of ``devices`` CPU devices each (workdir ``tmp_path/two``) and,
+    at the same time, as one process over all their devices (``tmp_path/one``)."""
+    processes = _two_processes(
+        [*argv, f"--workdir={tmp_path / 'two'}"], devices, tmp_path, xla_cache
+    )
+    one = _cli(
+        [*argv, f"--workdir={tmp_path / 'one'}"], 2 * devices, tmp_path / "one.log", xla_cache
+    )
+    try:
+        for p in [*processes, one]:
+            p.wait(timeout=600)
+    finally:
+        _stop([*processes, one])
+    logs = [tmp_path / "process_0.log", tmp_path / "process_1.log", tmp_path / "one.log"]
+    for p, log in zip([*processes, one], logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+
+
+def _assert_same_rows(two: list[dict], one: list[dict], rtol: float) -> None:
+    if rtol == 0:
+        assert two == one
+        return
+    assert [sorted(row) for row in two] == [sorted(row) for row in one]
+    for a, b in zip(two, one, strict=True):
+        np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], rtol=rtol)
+
+
+def _assert_both_equal_one(tmp_path: pathlib.Path, rounds: list[int], rtol: float = 0.0) -> None:
+    """Process 0's metrics.jsonl and process 1's copy equal the single process's; every device of
+    both processes ran the round."""
+    one = _rows(tmp_path / "one" / "metrics.jsonl")
+    assert [row["round"] for row in one] == rounds
+    _assert_same_rows(_rows(tmp_path / "two" / "metrics.jsonl"), one, rtol)
+    _assert_same_rows(_rows(tmp_path / "two" / "process_1" / "metrics.jsonl"), one, rtol)
+    info = json.loads((tmp_path / "two" / "run_info.json").read_text())
+    assert len(info["round_devices"]) == len(info["devices"]), info
+
+
+@pytest.mark.slow
+def test_the_shipped_fedavg_config_runs_on_both_processes(tmp_path, xla_cache):
+    """configs/fedavg.py as it ships (S = 5), two processes of one device each: 3 rounds,
+    evaluated at rounds 0 and 3, equal to one process over two devices (which runs S = 5 on one
+    of them). Both processes run the round, the same clients on each device
+    (``fedorth.train.distributed.round_mesh``): a round on process 0's device alone ran in
+    process 0 without process 1, which failed reading the round counter it did not hold."""
+    _run_both(SHIPPED_FEDAVG, 1, tmp_path, xla_cache)
+    _assert_both_equal_one(tmp_path, [0, 3])
+
+
+# config, devices per process, flags, rtol. Together with the shipped FedAvg above (2 x 1,
+# eval_every 3) and the SCAFFOLD resume below (2 x 2, per-client state, eval_every 1): each
+# config of the papers' kinds, both layouts (2 processes x 1 and x 2 devices), evaluation every
+# round and every 2 or 3 rounds, and the clients split over 2 or over all 4 devices.
+MATRIX = {
+    # SOAP's QR/eigh as host LAPACK calls inside the sharded round; evaluated every 2 rounds.
+    "fedpac_soap": (1, [*CLIENTS_100, "--config.fed.rounds=2", "--config.eval_every=2"], 0.0),
+    "fedmuon": (1, [*CLIENTS_100, "--config.fed.rounds=2", "--config.eval_every=1"], 0.0),
+    # Minimax (AUC on the embedded Zipf sentiment task): N = S = 8; test_auc from the scores.
+    "local_sgda": (
+        1,
+        ["--config.fed.rounds=2", "--config.eval_every=1", "--config.fed.strategy=sharded"],
+        0.0,
+    ),
+    # S = 8 over all 4 devices: the 4 devices' sums are added across the processes by gloo in
+    # another order than by one process's all-reduce, so they agree to float32 rounding (with
+    # the clients over 2 devices, as in the other cases, a sum of two is the same either way).
+    "fedpac_muon": (
+        2,
+        [
+            *(f for f in CLIENTS_100 if not f.startswith("--config.fed.clients_per_round")),
+            "--config.fed.clients_per_round=8",
+            "--config.fed.rounds=2",
+            "--config.eval_every=1",
+        ],
+        1e-5,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_kind_of_config_on_two_processes_equals_one_process(tmp_path, xla_cache, name):
+    """Each config as two processes against one process over the same device count."""
+    devices, flags, rtol = MATRIX[name]
+    _run_both([f"--config=configs/{name}.py", *flags], devices, tmp_path, xla_cache)
+    _assert_both_equal_one(
+        tmp_path, [0, 2] if "--config.eval_every=2" in flags else [0, 1, 2], rtol
+    )
+
+
+@pytest.mark.slow
+def test_scaffold_on_2_x_2_devices_resumes_after_a_process_is_killed(tmp_path, xla_cache):
+    """SCAFFOLD (a control variate per client, N = 100, in the server state), two processes of
+    two devices each, a checkpoint every round: process 1 killed once the rounds run, the same
+    command on both processes resumes the run, whose metrics then equal one process's over four
+    devices, uninterrupted."""
+    argv = [
+        "--config=configs/scaffold.py",
+        *CLIENTS_100,
+        "--config.fed.rounds=8",
+        "--config.eval_every=1",
+        "--config.checkpoint_every=1",
+    ]
+    (tmp_path / "again").mkdir()
+    again: list[subprocess.Popen] = []
+    processes = _two_processes([*argv, f"--workdir={tmp_path / 'two'}"], 2, tmp_path, xla_cache)
+    one = _cli([*argv, f"--workdir={tmp_path / 'one'}"], 4, tmp_path / "one.log", xla_cache)
+    try:
+        deadline = time.monotonic() + 480
+        # Round 3 runs once round 2 is saved (the progress line of round r comes before its save).
+        _wait_for_line(tmp_path / "process_0.log", "round 3/", processes, deadline)
+        os.kill(processes[1].pid, signal.SIGKILL)
+        assert processes[0].wait(timeout=60) == 1, (tmp_path / "process_0.log").read_text()[-3000:]
+        again = _two_processes(
+            [*argv, f"--workdir={tmp_path / 'two'}"], 2, tmp_path / "again", xla_cache
+        )
+        for p in [*again, one]:
+            p.wait(timeout=600)
+    finally:
+        _stop([*processes, one, *again])
+    logs = [tmp_path / "again" / "process_0.log", tmp_path / "again" / "process_1.log"]
+    for p, log in zip([*again, one], [*logs, tmp_path / "one.log"], strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    resumed = re.findall(r"Resumed from round (\d+) in ", logs[0].read_text())
+    assert resumed and 2 <= int(resumed[0]) < 8, logs[0].read_text()[-3000:]
+    _assert_both_equal_one(tmp_path, list(range(9)))
+
+
+@pytest.mark.slow
+def test_a_strategy_of_one_device_is_refused_on_two_processes_in_one_line(tmp_path):
+    """fed.strategy='sequential' runs a round on one device, which two processes cannot share:
+    each process says so in one line, exit code 2, before anything is loaded or compiled."""
+    argv = [*TINY[:-2], "--config.fed.strategy=sequential", f"--workdir={tmp_path / 'run'}"]
+    processes = _two_processes(argv, 1, tmp_path, None)
+    try:
+        for p in processes:
+            p.wait(timeout=120)
+    finally:
+        _stop(processes)
+    for i, p in enumerate(processes):
+        output = (tmp_path / f"process_{i}.log").read_text()
+        lines = [line for line in output.splitlines() if line and not line.startswith("[")]
+        assert p.returncode == 2, output[-3000:]
+        assert lines == [
+            "error: Invalid config:",
+            "  fed.strategy='sequential' runs a round on one device, and this run has 2 "
+            "processes, whose devices a round spans together: use "
+            "--config.fed.strategy=sharded (or auto).",
+        ], output[-3000:]
+    row = (
+        "| `fed.strategy='sequential'` with `--distributed`, 2 processes (each process; exit "
+        "code 2) | error: Invalid config:<br>  " + lines[1].strip() + " |"
+    )
+    assert row in (ROOT / "docs" / "ERRORS.md").read_text(), row
+
+
+def test_round_mesh_of_several_processes_holds_every_device(monkeypatch):
+    """S clients over every device: gcd(S, devices) groups of devices, each group's devices
+    running the same clients; a single process keeps fed.client_mesh's choice (None)."""
+    assert distributed.round_mesh(10) is None
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for clients, shape in ((10, (2, 4)), (8, (8, 1)), (5, (1, 8))):
+        mesh = distributed.round_mesh(clients)
+        assert dict(mesh.shape) == {"clients": shape[0], "copies": shape[1]}, clients
+        assert list(mesh.devices.flat) == jax.devices()
+
+
+@pytest.mark.cpu_devices
+def test_a_round_on_some_devices_of_several_processes_is_refused_in_one_line(monkeypatch):
+    """The compiled round's devices, not the config, decide: a round compiled for 2 of the 8
+    devices (as fed.client_mesh lays S = 2 clients) of a run of 2 processes is refused."""
+    from fedorth.train import builders, loop
+
+    experiment = builders.build(_tiny_config(rounds=1))
+    server = builders.init_server(experiment)
+    loop.check_round_spans_processes(experiment.round_fn, server, experiment.data)  # 1 process
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(loop.RoundPlacementError) as error:
+        loop.check_round_spans_processes(experiment.round_fn, server, experiment.data)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "The round is compiled for 2 of the 8 devices of the run's 2 processes (on processes [0])"
+    ), message
+    row = (
+        "| a multi-process round compiled for some of the devices (a `fedorth.fed.RoundConfig` "
+        f"mesh of 2 of the 8 devices of 2 processes; exit code 1) | error: {message} |"
+    )
+    assert row in (ROOT / "docs" / "ERRORS.md").read_text(), row

@@ -176,6 +176,7 @@ class Grid:
             if len(set(converted)) != len(converted):
                 raise SweepError(f"sweep.{key} repeats a value ({given}): give each once.")
             self.values[key] = converted
+        self.shard = (0, 1)
 
     @property
     def traced_keys(self) -> list[str]:
@@ -184,7 +185,27 @@ class Grid:
     @property
     def count(self) -> int:
         """The number of replicas (without making them)."""
-        return math.prod(len(v) for v in self.values.values())
+        index, count = self.shard
+        return len(range(index, math.prod(len(v) for v in self.values.values()), count))
+
+    def sliced(self, index: int, count: int) -> Grid:
+        """Slice ``index`` of ``count`` (``--sweep.shard=index/count``): replicas ``index``,
+        ``index + count``, ... of the grid with its keys and their values sorted, so that jobs
+        given the same grid in another order of flags or values hold the same slices."""
+        total = math.prod(len(v) for v in self.values.values())
+        if not 0 <= index < count:
+            raise SweepError(
+                f"--sweep.shard={index}/{count}: the slice index is 0 to {count - 1} "
+                f"(--sweep.shard=i/n: job i of n)."
+            )
+        if index >= total:
+            raise SweepError(
+                f"--sweep.shard={index}/{count} lies outside the grid of {total} replicas (job "
+                f"{index} would hold none): use at most {total} jobs, --sweep.shard=i/{total}."
+            )
+        grid = copy.copy(self)
+        grid.shard = (index, count)
+        return grid
 
     def reordered(self, keys: Sequence[str]) -> Grid:
         """The same grid with its keys in the order ``keys`` (the same set of keys): the order
@@ -207,10 +228,18 @@ class Grid:
         return out
 
     def replicas(self) -> list[dict[str, int | float]]:
-        """One ``{key: value}`` per replica (the product of the value lists)."""
+        """One ``{key: value}`` per replica (the product of the value lists; of a slice, its
+        replicas in that order)."""
         keys = list(self.values)
         combos = itertools.product(*self.values.values())
-        return [dict(zip(keys, combo, strict=True)) for combo in combos]
+        replicas = [dict(zip(keys, combo, strict=True)) for combo in combos]
+        index, count = self.shard
+        if count == 1:
+            return replicas
+        ordered = sorted(keys)
+        canonical = itertools.product(*(sorted(self.values[key]) for key in ordered))
+        held = {tuple(combo) for combo in itertools.islice(canonical, index, None, count)}
+        return [r for r in replicas if tuple(r[key] for key in ordered) in held]
 
     def replica_config(self, values: Mapping[str, Any]) -> ml_collections.ConfigDict:
         """The base config with a replica's values: the config of its single run."""
@@ -226,6 +255,17 @@ class Grid:
 def replica_name(values: Mapping[str, Any]) -> str:
     """The folder name of a replica: ``key=value`` pairs joined by commas."""
     return ",".join(f"{key}={value!r}" for key, value in values.items())
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--sweep.shard=i/n``'s ``(i, n)``: job ``i`` of ``n`` independent jobs of one grid."""
+    index, slash, count = text.partition("/")
+    if not (slash and index.strip().isdigit() and count.strip().isdigit() and int(count) >= 1):
+        raise SweepError(
+            f"--sweep.shard={text}: give the job's slice as i/n, job i of n jobs (0 <= i < n), "
+            "e.g. --sweep.shard=0/4."
+        )
+    return int(index), int(count)
 
 
 def parse_sweep_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:

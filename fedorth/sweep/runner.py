@@ -83,12 +83,26 @@ def _json(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+SHARD_KEY = "sweep_shard"
+"""The key of a slice's ``[i, n]`` in the identity of one job of ``--sweep.shard=i/n``."""
+
+
+def shard_folder(index: int, count: int) -> str:
+    """The folder, inside the sweep's workdir, of job ``index`` of ``count``'s checkpoints,
+    ``sweep.json`` and lock (the replica folders are the workdir's, shared by the jobs)."""
+    return f"shard_{index}_of_{count}"
+
+
 def sweep_identity(config: ml_collections.ConfigDict, grid: Grid) -> dict[str, Any]:
-    """What a sweep's checkpoints and ``sweep.json`` carry: the base config and the grid."""
-    return {
+    """What a sweep's checkpoints and ``sweep.json`` carry: the base config and the grid (and
+    the slice, for one job of several)."""
+    identity = {
         "config": _json(config.to_dict()),
         GRID_KEY: [[key, list(values)] for key, values in grid.values.items()],
     }
+    if grid.shard[1] > 1:
+        identity[SHARD_KEY] = list(grid.shard)
+    return identity
 
 
 def _replica_key(values: dict[str, Any]) -> tuple:
@@ -147,6 +161,7 @@ class _Plan:
         self.grid = grid.reordered(keys)
         old = Grid.__new__(Grid)
         old.values = {key: list(values) for key, values in saved[GRID_KEY]}
+        old.shard = grid.shard
         now = {_replica_key(v) for v in self.grid.replicas()}
         for index, values in enumerate(old.replicas()):
             self.saved[_replica_key(values)] = index
@@ -181,6 +196,15 @@ def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
             reason = (
                 f"another grid, recorded in {where}: keys {old_keys} there, {list(grid.values)} "
                 "here"
+            )
+        elif grid.shard[1] > 1 and {k: sorted(v) for k, v in saved[GRID_KEY]} != {
+            k: sorted(v) for k, v in grid.values.items()
+        }:
+            # Another grid deals the replicas to the jobs anew: a replica could move to a job
+            # that holds no state of it, while another job wrote its rows.
+            reason = (
+                f"another grid, recorded in {where}: {dict(saved[GRID_KEY])} there, "
+                f"{grid.to_dict()} here; the jobs of --sweep.shard keep their grid"
             )
         else:
             plan = _Plan(grid, saved)
@@ -267,7 +291,9 @@ def check_size(config: ml_collections.ConfigDict, grid: Grid, stream) -> None:
     available = _available_memory()
     print(
         f"Grid of {count} replicas ({' x '.join(str(len(v)) for v in grid.values.values())} "
-        f"values of {', '.join(grid.values)}): about {_size(needed)} of host memory "
+        f"values of {', '.join(grid.values)}"
+        + (f"; slice {grid.shard[0]} of {grid.shard[1]}" if grid.shard[1] > 1 else "")
+        + f"): about {_size(needed)} of host memory "
         f"({_size(per_replica)} per replica: data {_size(data_bytes)}, server state "
         f"{_size(state_bytes)} x 3), "
         + (f"{_size(available)} available; " if available is not None else "")
@@ -374,14 +400,18 @@ def run_sweep(
     for values in grid.samples():  # each key's extremes, before anything is loaded or compiled
         validate(grid.replica_config(values))
     check_size(config, grid, stream)
-    lock = workdir_lib.WorkdirLock(workdir)
+    # One job of --sweep.shard keeps its state in a folder of its own: the jobs share the
+    # workdir and its replica folders (each job holds its replicas' locks), and a second job of
+    # the same slice is refused by that folder's lock.
+    state = workdir if grid.shard[1] == 1 else workdir / shard_folder(*grid.shard)
+    lock = workdir_lib.WorkdirLock(state)
     locks: list[workdir_lib.WorkdirLock] = []
     try:
-        plan = _plan(workdir, config, grid, overwrite)
+        plan = _plan(state, config, grid, overwrite)
         grid = plan.grid
-        with loop._disk_space(workdir / SWEEP_FILE, None, None):
+        with loop._disk_space(state / SWEEP_FILE, None, None):
             loop._write_atomic(
-                workdir / SWEEP_FILE, json.dumps(sweep_identity(config, grid), indent=2)
+                state / SWEEP_FILE, json.dumps(sweep_identity(config, grid), indent=2)
             )
         replicas = grid.replicas()
         folders = [workdir / replica_name(values) for values in replicas]
@@ -403,7 +433,7 @@ def run_sweep(
             config,
             grid,
             plan,
-            workdir,
+            state,
             folders,
             had_rows,
             replica_strategy,
@@ -740,7 +770,7 @@ class _Sweep:
         print(
             f"Finished the sweep at round {self.done}: {len(rows)} replicas{diverged}{best}. "
             f"Metrics in {workdir}/<replica>/metrics.jsonl, checkpoint "
-            f"{workdir / 'checkpoints' / str(step)}.",
+            f"{self.checkpointer.directory / str(step)}.",
             file=self.stream,
         )
 

@@ -25,6 +25,7 @@ from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.models import lora, pretrained
+from fedorth.train import distributed
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -94,12 +95,23 @@ def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
     ``fed.rounds``, ``fed.strategy``, ``fed.chunk_size``, ``fed.unroll`` and ``spectral_drift``.
     The one place a config becomes a ``RoundConfig`` (:func:`build`, :func:`dry_build` and the
     config checks of ``fedorth.train.validate`` all call it)."""
+    strategy = config.fed.get("strategy", "auto")
+    mesh = distributed.round_mesh(int(config.fed.clients_per_round))
+    if mesh is not None:  # several processes: the round spans all their devices
+        if strategy not in ("auto", "sharded"):
+            raise ConfigError(
+                f"fed.strategy={strategy!r} runs a round on one device, and this run has "
+                f"{jax.process_count()} processes, whose devices a round spans together: use "
+                "--config.fed.strategy=sharded (or auto)."
+            )
+        strategy = "sharded"
     return fed.RoundConfig(
         num_clients=int(config.data.num_clients),
         clients_per_round=int(config.fed.clients_per_round),
         local_steps=int(config.fed.local_steps),
         learning_rate=learning_rate_schedule(config.optim, int(config.fed.rounds)),
-        strategy=config.fed.get("strategy", "auto"),
+        strategy=strategy,
+        mesh=mesh,
         chunk_size=config.fed.get("chunk_size"),
         unroll=config.fed.get("unroll", 1),
         spectral_drift=bool(config.get("spectral_drift", False)),

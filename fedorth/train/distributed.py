@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import math
 import os
 import re
 import signal
@@ -40,8 +41,10 @@ import threading
 import time
 
 import jax
+import numpy as np
 from jax._src import distributed as jax_distributed  # its client: orbax's multihost uses it too
 from jax._src.lib import utils as lib_utils
+from jax.sharding import Mesh
 
 HEARTBEAT_TIMEOUT_S = 10  # JAX's default, 100 s, leaves the others waiting for minutes
 _STAMP_EVERY_S = 0.5
@@ -85,10 +88,35 @@ def initialize(
     ctypes.CDLL(None).signal(signal.SIGABRT, _on_abort.handler)
 
 
+COPIES_AXIS = "copies"
+"""The axis of :func:`round_mesh` whose devices run the same clients (size 1 when the clients
+divide over every device)."""
+
+
+def round_mesh(clients_per_round: int) -> Mesh | None:
+    """The mesh that a round of a multi-process run lays its ``clients_per_round`` clients over,
+    or None in a single process (``fedorth.fed.client_mesh`` chooses there).
+
+    Every device of every process, as a ``("clients", "copies")`` grid: the clients are split
+    over ``g = gcd(clients_per_round, devices)`` groups of devices, and the devices of a group run
+    the same clients. A single process lays ``S`` clients over the first ``d`` devices that
+    divide them, the others idle; several processes cannot leave one out: a round whose devices
+    are all process 0's (``S = 5`` on 2 processes of one device each: ``d = 1``) is a program of
+    process 0 alone, which process 0 runs without the others while they cannot read the state it
+    holds ("spans non-addressable devices"). The groups take consecutive devices (a process's
+    devices share clients before processes do), so with ``g`` equal to a single process's ``d``
+    the round's sums are those of one process over the same devices.
+    """
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return None
+    devices = np.array(jax.devices())
+    groups = math.gcd(clients_per_round, devices.size)
+    return Mesh(devices.reshape(groups, devices.size // groups), ("clients", COPIES_AXIS))
+
+
 def agree_on_signal(signum: int) -> int:
     """The signal any process of the run received (``signum``: this one's, 0 for none), the
     same in every process; a collective: every process calls it at the same point."""
-    import numpy as np
     from jax.experimental import multihost_utils
 
     return int(np.max(multihost_utils.process_allgather(np.int32(signum))))

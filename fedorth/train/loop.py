@@ -75,6 +75,10 @@ class WorkdirConflictError(RuntimeError):
     """The workdir holds a run of a different config."""
 
 
+class RoundPlacementError(RuntimeError):
+    """A multi-process run's round compiled for fewer devices than its processes hold."""
+
+
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) or SIGTERM during a run; the message names the round reached and the round
     a rerun resumes from (the newest checkpoint). ``signum``: the signal, or ``None`` for a
@@ -105,6 +109,7 @@ USER_ERRORS = (
     CheckpointError,
     fed.RoundOutOfMemoryError,
     trackers_lib.TrackerError,
+    RoundPlacementError,
 )
 """Errors caused by the input, not by fedorth: the CLI prints their message without a traceback."""
 
@@ -317,8 +322,53 @@ def _finite_leaves(tree) -> Any:
     return jax.tree.map(finite, tree)
 
 
+def to_host(tree) -> Any:
+    """``jax.device_get`` that every process of a multi-process run can call: an array on
+    devices of other processes is read from this process's copy when it is replicated, and
+    gathered from all processes otherwise (a collective: every process reads it at the same
+    point of the loop). Python and NumPy values pass through."""
+
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return jax.device_get(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+
+    return jax.tree.map(get, tree)
+
+
+def check_round_spans_processes(round_fn, server, data) -> None:
+    """Raises :class:`RoundPlacementError` unless the compiled round reads and writes on every
+    device of every process of a multi-process run (``jax.devices()``).
+
+    A round on fewer devices is a program of some processes only: they run it alone, and the
+    others fail at their first read of the state it returns, which lies on devices they cannot
+    address. The compiled program's shardings are what run, whatever the config asked for.
+    """
+    if jax.process_count() == 1:
+        return
+    compiled = round_fn.lower(server, data).compile()
+    used = {
+        device
+        for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+        for device in sharding.device_set
+    }
+    if used != set(jax.devices()):
+        holders = sorted({d.process_index for d in used})
+        raise RoundPlacementError(
+            f"The round is compiled for {len(used)} of the {len(jax.devices())} devices of the "
+            f"run's {jax.process_count()} processes (on processes {holders}): a "
+            "multi-process round must span every process's devices, or the processes left out "
+            "cannot read the state it returns; give fedorth.fed.RoundConfig a mesh of all "
+            "jax.devices(), or none (fedorth.train.distributed.round_mesh)."
+        )
+
+
 def _first_non_finite(tree, name: str) -> str | None:
-    flags = jax.device_get(_finite_leaves(tree))
+    flags = to_host(_finite_leaves(tree))
     for path, ok in jax.tree_util.tree_leaves_with_path(flags):
         if not ok:
             return f"{name}{jax.tree_util.keystr(path)}"
@@ -338,7 +388,7 @@ def _check_finite(
     The loss and the parameters are checked every round; the whole server state (optimizer
     state, control variates, ...) before it is saved, so a checkpoint never holds NaN/Inf.
     """
-    loss = float(metrics["train_loss"])
+    loss = float(to_host(metrics["train_loss"]))
     if not math.isfinite(loss):
         quantity = f"the mean local training loss (train_loss) is {loss}"
     else:
@@ -424,15 +474,19 @@ def _refuse_replica_folder(workdir: pathlib.Path) -> None:
     the sweep's checkpoint, which a single run cannot resume, so a single run would start it over
     and cut the sweep's rows."""
     parent = workdir.absolute().parent
-    saved = checkpoint_lib.saved_config(parent / "checkpoints")
-    identity = saved[1] if saved is not None else None
-    if identity is None or "sweep_grid" not in identity:
-        try:
-            identity = json.loads((parent / "sweep.json").read_text())
-        except (OSError, ValueError):
-            return
-    grid = identity.get("sweep_grid") if isinstance(identity, dict) else None
-    if not isinstance(grid, list):
+    # A sweep's state is in its workdir, or, for the jobs of --sweep.shard, in a folder per job.
+    for state in [parent, *sorted(parent.glob("shard_*_of_*"))]:
+        saved = checkpoint_lib.saved_config(state / "checkpoints")
+        identity = saved[1] if saved is not None else None
+        if identity is None or "sweep_grid" not in identity:
+            try:
+                identity = json.loads((state / "sweep.json").read_text())
+            except (OSError, ValueError):
+                continue
+        grid = identity.get("sweep_grid") if isinstance(identity, dict) else None
+        if isinstance(grid, list):
+            break
+    else:
         return
     from fedorth.sweep.grid import replica_name  # the sweep's package imports this module
 
@@ -490,6 +544,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     selection = experiment.round_fn.select(server, experiment.data)
     if selection is not None:
         print(fed.describe_selection(selection), file=sys.stderr)
+    check_round_spans_processes(experiment.round_fn, server, experiment.data)
     with _disk_space(files / "run_info.json", None, None):
         _write_run_info(files, experiment.round_fn)
     rounds = int(config.fed.rounds)
@@ -685,12 +740,14 @@ def stopped_at_once(
     )
 
 
-def _evaluate_checkpoint(server, eval_fn, comm: dict[str, float], writer: MetricsWriter) -> dict:
+def _evaluate_checkpoint(
+    server, done: int, eval_fn, comm: dict[str, float], writer: MetricsWriter
+) -> dict:
     """The row of the restored round, when ``metrics.jsonl`` and TensorBoard both lack it: the
     checkpoint's model evaluated again (the test metrics are those the run wrote; the round's
     training metrics, e.g. ``train_loss``, and its wall clock are gone)."""
-    evaluation = jax.device_get(eval_fn(server.params, server.model_state))
-    row = {"round": int(server.round), **{k: float(v) for k, v in evaluation.items()}, **comm}
+    evaluation = to_host(eval_fn(server.params, server.model_state))
+    row = {"round": done, **{k: float(v) for k, v in evaluation.items()}, **comm}
     writer.write(row)
     logging.warning(
         "%s lacked the row of round %d, and TensorBoard's events too; rebuilt it by evaluating "
@@ -715,15 +772,17 @@ def _train_rounds(
 
     metrics_path = workdir / "metrics.jsonl"
     eval_fn = builders.make_eval_fn(experiment)
+    # The round counter, kept on the host: each process reads the state it holds once, then
+    # counts the rounds it runs (all processes run them together).
+    server = server if restored is None else restored
+    done = int(to_host(server.round))
     if restored is not None:
-        server = restored
-        done = int(server.round)
         with _disk_space(metrics_path, None, checkpointer):
             kept = writer.resume(done, exact=comm_row())
             if (done >= rounds or (eval_every > 0 and done % eval_every == 0)) and not any(
                 row["round"] == done for row in kept
             ):
-                kept.append(_evaluate_checkpoint(server, eval_fn, comm_row(), writer))
+                kept.append(_evaluate_checkpoint(server, done, eval_fn, comm_row(), writer))
         wall_offset = max((row["wall_s"] for row in kept if "wall_s" in row), default=0.0)
         if done >= rounds:
             extend = (
@@ -741,14 +800,13 @@ def _train_rounds(
     else:
         with _disk_space(metrics_path, None, checkpointer):
             writer.resume(-1)
-
-    progress = Progress(rounds, start=int(server.round))
+    progress = Progress(rounds, start=done)
     start = time.perf_counter()
 
     plotter = plots.CurvePlotter(workdir / "curves.png", title=title)
-    if int(server.round) == 0 and eval_every > 0:
+    if done == 0 and eval_every > 0:
         # Round 0: the initial model (no local step ran, so no train_loss); curves start here.
-        evaluation = jax.device_get(eval_fn(server.params, server.model_state))
+        evaluation = to_host(eval_fn(server.params, server.model_state))
         row0 = {"round": 0, **{k: float(v) for k, v in evaluation.items()}, **comm_row()}
         row0["wall_s"] = time.perf_counter() - start
         with _disk_space(metrics_path, len(json.dumps(row0)) + 1, checkpointer):
@@ -756,13 +814,12 @@ def _train_rounds(
         progress.update(0, row0)
         plotter.update(writer.rows())
     row: dict[str, Any] = writer.rows()[-1] if writer.rows() else {}
-    done = int(server.round)
     state = server.replace(key=jax.random.key_data(server.key))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a checkpoint writes
     try:
         while done < rounds:
             server, metrics = experiment.round_fn(server, experiment.data)
-            round_index = done = int(server.round)
+            round_index = done = done + 1
             is_last = round_index == rounds
             is_eval = is_last or (eval_every > 0 and round_index % eval_every == 0)
             will_save = is_last or (checkpointer.every and round_index % checkpointer.every == 0)
@@ -776,15 +833,15 @@ def _train_rounds(
                 checkpointer=checkpointer,
             )
             if is_eval:
-                metrics = jax.device_get(metrics)
-                evaluation = jax.device_get(eval_fn(server.params, server.model_state))
+                metrics = to_host(metrics)
+                evaluation = to_host(eval_fn(server.params, server.model_state))
                 row = {"round": round_index}
                 row.update({k: float(v) for k, v in metrics.items()})
                 row.update({k: float(v) for k, v in evaluation.items()})
                 row.update(comm_row())
                 row["wall_s"] = wall_offset + time.perf_counter() - start
                 if config.get("log_condition_number", False):
-                    kappa = builders.condition_numbers(server.params)
+                    kappa = builders.condition_numbers(to_host(server.params))
                     row["condition_number_mean"] = float(np.mean(list(kappa.values())))
                     row["condition_number_max"] = float(np.max(list(kappa.values())))
                 bad = [k for k, v in row.items() if not math.isfinite(v)]

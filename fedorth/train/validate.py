@@ -305,6 +305,8 @@ def _check_builds(c: _Checker, config) -> None:
     try:
         algorithm = fed.get_algorithm(name, optim, **options)
         builders.make_round_config(config).validate(algorithm)
+    except ConfigError as e:  # a whole message of its own, naming its key
+        c.fail(str(e))
     except (ValueError, TypeError) as e:
         c.fail(f"fed.algorithm={name!r} with fed.options={options}: {e}")
 
