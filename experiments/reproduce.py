@@ -180,17 +180,22 @@ def _spearman(ours, paper) -> float:
 def _bootstrap(values: list[np.ndarray], paper: list[float]) -> tuple[float, float] | None:
     """The 95% interval of Spearman's rho when each method's seeds are resampled with
     replacement; None when no method has two seeds (nothing to resample)."""
-    if all(v.size < 2 for v in values):
+    from scipy import stats
+
+    if all(v.size < 2 for v in values) or len(set(paper)) < 2:
         return None
     rng = np.random.default_rng(0)
-    rhos = []
-    for _ in range(_BOOTSTRAP):
-        means = [float(rng.choice(v, v.size).mean()) for v in values]
-        rho = _spearman(means, paper)
-        if not math.isnan(rho):
-            rhos.append(rho)
-    if not rhos:
+    means = np.array([[rng.choice(v, v.size).mean() for v in values] for _ in range(_BOOTSTRAP)])
+    # Spearman's rho of each resample at once: Pearson's r of the ranks (ties averaged), as
+    # scipy.stats.spearmanr computes it; a resample whose means are all equal has none.
+    varied = means.max(axis=1) > means.min(axis=1)
+    if not varied.any():
         return None
+    ranks = stats.rankdata(means[varied], axis=1)
+    ranks -= ranks.mean(axis=1, keepdims=True)
+    target = stats.rankdata(paper)
+    target -= target.mean()
+    rhos = ranks @ target / np.sqrt((ranks**2).sum(axis=1) * (target**2).sum())
     low, high = np.percentile(rhos, [2.5, 97.5])
     return float(low), float(high)
 

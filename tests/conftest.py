@@ -97,18 +97,95 @@ def pytest_configure(config):
     )
 
 
+# The longest tests, in seconds (a test, or each test of a parametrized function, by its name:
+# the names are unique across the files), from ``python -m pytest -n 2 -q --durations=40 tests``
+# on a 2-core machine. Only the order of the tests depends on these figures: a test missing here
+# counts as _SLOW_SECONDS if it is marked ``slow``, else as 0.
+_LONGEST = {
+    "test_wheel_runs_every_notebook": 156,
+    "test_small_table_signals_resume_and_a_reduced_run_keeps_the_full_command": 65,
+    "test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs": 46,
+    "test_sigterm_and_ctrl_c_stop_every_process_at_one_saved_round": 42,
+    "test_rounds_match_the_golden_fingerprints[fedpm]": 33,
+    "test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep": 31,
+    "test_one_round_of_a_vision_preset_on_the_fixture": 31,
+    "test_a_second_run_on_a_workdir_is_refused_naming_the_holder": 28,
+    "test_one_round_of_a_lora_preset_on_the_fixture": 28,
+    "test_two_processes_of_the_cli_equal_one_process_over_two_devices": 26,
+    "test_quick_round_subcommand_writes_json_with_all_fields": 25,
+    "test_ctrl_c_twice_during_a_checkpoint_save_exits_cleanly_and_resumes": 25,
+    "test_a_full_disk_stops_a_sweep_with_one_line": 24,
+    "test_rounds_match_the_golden_fingerprints[fedpac_soap_light]": 23,
+    "test_a_lost_process_stops_the_other_in_seconds_with_one_line": 21,
+    "test_traced_hyperparameters_compile_one_round_and_each_replica_is_its_single_run": 18,
+    "test_guide_runs_and_its_checks_pass": 20,
+    "test_sharded_sophia_round_of_a_conv_model_equals_the_sequential_round": 20,
+    "test_vmap_chunks_pad_the_last_chunk_and_keep_each_replica": 19,
+    "test_each_replica_is_its_single_run": 17,
+    "test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_after": 17,
+    "test_sequential_round_with_canonical_conv_equals_the_vmap_lax_round": 17,
+    "test_rounds_match_the_golden_fingerprints[fafed]": 16,
+    "test_a_resumed_run_unpickles_and_evaluates_nothing_of_its_folder": 16,
+    "test_extended_run_equals_a_longer_one_with_live_outputs": 15,
+    "test_host_lapack_rounds_shard_and_equal_the_sequential_round": 15,
+    "test_rounds_match_the_golden_fingerprints[fed_nsgda_m]": 15,
+    "test_auto_also_chooses_the_convolution_of_a_convolutional_model": 14,
+    "test_main_job_learns_digits": 13,
+    "test_corrupted_latest_checkpoint_falls_back_with_a_warning": 13,
+    "test_a_federated_round_trains_only_adapters_and_head_and_uploads_only_them": 12,
+    "test_strategies_give_the_same_server_state": 12,
+}
+_SLOW_SECONDS = 10
+
+
+def _expected_seconds(item) -> float:
+    name = item.nodeid.rpartition("::")[2]
+    for key in (name, name.partition("[")[0]):
+        if key in _LONGEST:
+            return _LONGEST[key]
+    return _SLOW_SECONDS if item.get_closest_marker("slow") else 0
+
+
+def _shared_fixtures(item) -> set[str]:
+    """The module-, class- and package-scoped fixtures ``item`` asks for, directly or through
+    other fixtures (an autouse one, set up again cheaply, excluded)."""
+    info = item._fixtureinfo
+    autouse = set(info.initialnames) - set(info.argnames)
+    return {
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if name not in autouse and defs and defs[-1].scope in ("module", "class", "package")
+    }
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run first (in their collected order), the rest after them.
+    """The longest tests first, longest to shortest, then the others in their collected order.
 
     With ``-n 2 --dist worksteal`` (pyproject.toml) a worker that runs out of tests takes queued
     ones from the other, but not a test already running: a long test that starts last keeps one
     worker busy while the other idles (the wheel + notebooks test alone is over 2 minutes). Run
-    first, the long tests overlap with the short ones the other worker goes through.
+    first, the long tests overlap with the short ones the other worker goes through, and the
+    last tests are short. Tests of a module that share a module-scoped fixture move together
+    (its setup, a whole run for some, is paid once), at the time of the longest of them.
     """
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        ids = {id(item) for item in slow}
-        items[:] = slow + [item for item in items if id(item) not in ids]
+    parent = list(range(len(items)))  # union-find over the items: a unit is a set of them
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple[str, str], int] = {}  # (module, shared fixture) -> its first item
+    for i, item in enumerate(items):
+        for name in _shared_fixtures(item):
+            j = first.setdefault((item.nodeid.partition("::")[0], name), i)
+            parent[root(i)] = root(j)
+    units: dict[int, list] = {}
+    for i, item in enumerate(items):
+        units.setdefault(root(i), []).append(item)
+    order = sorted(units.values(), key=lambda unit: -max(map(_expected_seconds, unit)))
+    items[:] = [item for unit in order for item in unit]
 
 
 def pytest_runtest_setup(item):

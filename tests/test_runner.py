@@ -118,6 +118,32 @@ def shared_builds(monkeypatch):
     return build
 
 
+@pytest.mark.parametrize("title", ["", "fedpac_soap: digits, mlp, 20 clients, 2 per round"])
+def test_curves_hold_every_label_and_the_title_inside_the_image(tmp_path, monkeypatch, title):
+    """``curves.png`` has fixed margins (cheaper than measuring every text at each redraw): the
+    tick labels of a diverging loss, the axis labels and the title still fit in the image."""
+    from matplotlib.figure import Figure
+
+    from fedorth.train import plots
+
+    drawn = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), savefig(fig, *a, **k))
+    )
+    rows = [{"round": 0, "test_loss": 2.3, "test_accuracy": 0.1}]
+    rows += [
+        {"round": r, "train_loss": 10.0**r, "test_loss": 2.3 * r, "test_accuracy": 0.2}
+        for r in range(1, 7)
+    ]
+    plots.save_curves(rows, tmp_path / "curves.png", title)
+    (fig,) = drawn
+    box = fig.get_tightbbox()  # inches: every text and artist drawn
+    assert box.x0 >= 0 and box.y0 >= 0, box
+    assert box.x1 <= fig.get_figwidth() and box.y1 <= fig.get_figheight(), box
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_main_job_learns_digits(tmp_path):
     """FedPAC_SOAP's default reaches test accuracy >= 0.8 (chance: 0.1) within 10 rounds."""
     config = get_config("fedpac_soap")

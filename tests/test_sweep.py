@@ -871,8 +871,10 @@ def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
     """A finished 2-round sweep extended to 4 rounds on a disk with room for its rows but not for
     a checkpoint: one line names the file, the space and the intact checkpoint; no row is lost."""
     args = ["--config.eval_every=1", "--config.checkpoint_every=1", "--sweep.seed=42,43"]
+    # Neither command is killed: they share a compilation cache, the second only reads it.
+    cache = tmp_path / "compilation_cache"
     first = tmp_path / "first"
-    done = _run(_sweep_command(first, "--config.fed.rounds=2", *args))
+    done = _run(_sweep_command(first, "--config.fed.rounds=2", *args), cache)
     assert done.returncode == 0, done.stderr
     workdir = small_disk / "w"
     import shutil
@@ -880,7 +882,7 @@ def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
     shutil.copytree(first, workdir)
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(bytes(max(free - 24_000, 0)))
-    out = _run(_sweep_command(workdir, "--config.fed.rounds=4", *args))
+    out = _run(_sweep_command(workdir, "--config.fed.rounds=4", *args), cache)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]

@@ -49,7 +49,11 @@ def save_curves(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, title:
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    # Fixed margins, room for the tick labels and the title: ``tight_layout`` measures every
+    # text first, a third of the redraw's CPU time, at every evaluation of every run.
+    fig.subplots_adjust(
+        left=0.08, right=0.98, bottom=0.12, top=0.88 if title else 0.95, wspace=0.22
+    )
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=100, format="png")
     workdir.write_atomic(path, buffer.getvalue())  # never through a symbolic link
@@ -58,7 +62,7 @@ def save_curves(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, title:
 class CurvePlotter:
     """Redraws ``curves.png`` in a background thread at every evaluation.
 
-    A redraw takes ~0.3 s of CPU; in the training thread it would stall every evaluation.
+    A redraw takes ~0.2 s of CPU; in the training thread it would stall every evaluation.
     :meth:`update` hands the rows to one daemon thread and returns at once; evaluations that
     come while a redraw runs are coalesced into one redraw of the newest rows. :meth:`close`
     waits until the newest rows are drawn (the loop calls it before returning).
