@@ -467,7 +467,7 @@ def _run_locked(
         workdir, every=int(config.get("checkpoint_every", 0)), config=sweep_identity(config, grid)
     )
     # Each replica is a run of the trackers, under the sweep's parent run (MLflow).
-    parent = trackers_lib.make_parent(config, workdir)
+    parent = trackers_lib.make_parent(config, workdir, folders[0].parent)
     if parent is not None:
         trackers_lib.Composite([parent]).start(config.to_dict(), [])
     writers = []

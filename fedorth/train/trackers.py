@@ -146,16 +146,28 @@ def default_mlflow_uri(workdir: pathlib.Path) -> str:
     return f"sqlite:///{pathlib.Path(workdir).expanduser().absolute().parent / 'mlflow.db'}"
 
 
-def make_parent(config, sweep_dir: pathlib.Path) -> MlflowRun | None:
+def make_parent(
+    config, state_dir: pathlib.Path, sweep_dir: pathlib.Path | None = None
+) -> MlflowRun | None:
     """A sweep's parent run, under which each replica's run is logged (None without MLflow).
+
+    Args:
+      config: the sweep's base config.
+      state_dir: where the sweep keeps its state (the run's ``mlflow_run.json`` goes there): the
+        sweep's folder, or one job's ``shard_i_of_n`` folder in it.
+      sweep_dir: the sweep's folder (default ``state_dir``): the default store is beside it, and
+        the parent run is named after it (and the job's folder, for one job of a sharded grid).
 
     Raises:
       TrackerError: as :func:`make`.
     """
     if "mlflow" not in names(config):
         return None
+    state_dir = pathlib.Path(state_dir)
+    sweep_dir = pathlib.Path(sweep_dir or state_dir)
     store = MlflowStore.open(config, sweep_dir)
-    return MlflowRun(store, sweep_dir, pathlib.Path(sweep_dir).name, tags={"fedorth.sweep": "1"})
+    name = sweep_dir.name if state_dir == sweep_dir else f"{sweep_dir.name}/{state_dir.name}"
+    return MlflowRun(store, state_dir, name, tags={"fedorth.sweep": "1"})
 
 
 def make(
