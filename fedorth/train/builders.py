@@ -24,6 +24,7 @@ from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.models import lora, pretrained
+from fedorth.train import privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -102,6 +103,7 @@ def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
         chunk_size=config.fed.get("chunk_size"),
         unroll=config.fed.get("unroll", 1),
         spectral_drift=bool(config.get("spectral_drift", False)),
+        privacy=privacy.client_dp(config),
     )
 
 
@@ -406,7 +408,9 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     server = jax.eval_shape(
-        lambda p, s, k: fed.init_server(algorithm, p, s, num_clients=num_clients, key=k),
+        lambda p, s, k: fed.init_server(
+            algorithm, p, s, num_clients=num_clients, key=k, privacy=round_config.privacy
+        ),
         params,
         model_state,
         run_key,
@@ -425,6 +429,7 @@ def init_server(experiment: Experiment) -> fed.ServerState:
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
         key=run_key,
+        privacy=experiment.round_config.privacy,
     )
     return experiment.round_fn.place(server)
 
