@@ -176,3 +176,199 @@ def test_whole_upload_is_clipped_jointly():
     np.testing.assert_allclose(clipped["control_diff"]["w"], [0.0, 0.8])
     assert float(clipped["loss"]) == 7.0  # a diagnostic, not an upload
     assert float(clipped[privacy.UNCLIPPED]) == -0.5
+
+
+# ------------------------------------------------------------------------------- accountant
+
+
+def _config(**dp):
+    from configs import base
+
+    config = base.get_base_config()
+    config.data.num_clients = 20
+    config.fed.clients_per_round = 5
+    config.fed.rounds = 30
+    config.dp.clip_norm = 1.0
+    config.dp.noise_multiplier = 1.2
+    for key, value in dp.items():
+        config.dp[key] = value
+    return config
+
+
+def test_epsilon_is_dp_accountings_for_the_runs_sampling():
+    """Fixed-size sampling: S of N without replacement under replace-one (sensitivity 2C, so the
+    Gaussian event's multiplier is sigma / 2); Poisson: add-or-remove-one, RDP and PLD."""
+    dpa = pytest.importorskip("dp_accounting")
+    from fedorth.train import privacy as train_privacy
+
+    relation = dpa.NeighboringRelation
+    expected = dpa.rdp.RdpAccountant(neighboring_relation=relation.REPLACE_ONE)
+    expected.compose(dpa.SampledWithoutReplacementDpEvent(20, 5, dpa.GaussianDpEvent(0.6)), 30)
+    assert train_privacy.epsilon(_config(), 1.2, 30) == expected.get_epsilon(1e-5)
+    for name, accountant in (("rdp", dpa.rdp.RdpAccountant()), ("pld", dpa.pld.PLDAccountant())):
+        config = _config(sampling="poisson", sampling_rate=0.25, accountant=name)
+        accountant.compose(dpa.PoissonSampledDpEvent(0.25, dpa.GaussianDpEvent(1.2)), 30)
+        assert train_privacy.epsilon(config, 1.2, 30) == accountant.get_epsilon(1e-5)
+
+
+def test_target_epsilon_calibrates_sigma(capsys):
+    """The smallest sigma whose epsilon after fed.rounds rounds is at most the target."""
+    pytest.importorskip("dp_accounting")
+    from fedorth.train import privacy as train_privacy
+
+    config = _config(target_epsilon=3.0)
+    sigma = train_privacy.noise_multiplier(config)
+    assert train_privacy.epsilon(config, sigma, 30) <= 3.0
+    assert train_privacy.epsilon(config, sigma * 0.99, 30) > 3.0
+    assert f"noise_multiplier={sigma:.6g}" in capsys.readouterr().err
+
+
+def test_poisson_sampling_masks_clients_and_divides_by_qn():
+    """dp.sampling='poisson': every client runs, each joins with probability q by its own key;
+    a left-out client uploads nothing and keeps its control variate; the sum is divided by qN."""
+    data = fp.quadratic_clients(N, seed=6)
+    dp = privacy.ClientDP(
+        clip_norm=1e30, noise_multiplier=0.0, denominator=0.5 * N, sampling="poisson",
+        sampling_rate=0.5,
+    )  # fmt: skip
+    algorithm = fed.get_algorithm("scaffold", {"name": "sgd"})
+    server, _, _ = fp.start_rounds(
+        algorithm, num_clients=N, clients_per_round=N, local_steps=K, learning_rate=LR,
+        strategy="sequential", privacy=dp,
+    )  # fmt: skip
+    full, _, _ = fp.start_rounds(
+        algorithm, num_clients=N, clients_per_round=N, local_steps=K, learning_rate=LR,
+        strategy="sequential",
+    )  # fmt: skip
+    round_key = jax.random.fold_in(server.key, 0)
+    mask_key = privacy.round_keys(round_key)["mask"]
+    joined = [bool(jax.random.uniform(jax.random.fold_in(mask_key, i)) < 0.5) for i in range(N)]
+    assert 0 < sum(joined) < N
+    data_j = jax.tree.map(jnp.asarray, data)
+    private, _ = fp.start_rounds(
+        algorithm, num_clients=N, clients_per_round=N, local_steps=K, learning_rate=LR,
+        strategy="sequential", privacy=dp,
+    ).round_fn(server, data_j)  # fmt: skip
+    params = {k: np.zeros(np.shape(v)) for k, v in fp.zero_params().items()}
+    deltas = _client_deltas(data, range(N), params)
+    for k in params:
+        expected = sum(d[k] for d, j in zip(deltas, joined, strict=True) if j) / (0.5 * N)
+        np.testing.assert_allclose(private.params[k], expected, rtol=2e-6, atol=1e-7)
+    control = private.clients.control
+    for i, j in enumerate(joined):
+        row = jax.tree.map(lambda c, i=i: np.asarray(c[i]), control)
+        assert any(np.any(v != 0) for v in jax.tree.leaves(row)) == j
+    del full
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _no_dp_accounting(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)
+
+
+BAD = {
+    "`dp.clip_norm=0`": ({"clip_norm": 0.0}, None),
+    "`dp.clip_norm=-1`": ({"clip_norm": -1.0}, None),
+    "`dp.delta=0.05` with 20 clients (δ ≥ 1/N)": ({"delta": 0.05}, None),
+    "`dp.target_epsilon=1e-6` in 30 rounds": ({"target_epsilon": 1e-6}, None),
+    "`dp.accountant='pld'` with fixed-size sampling": ({"accountant": "pld"}, None),
+    "`dp.sampling='poisson'` with `S < N`": ({"sampling": "poisson", "sampling_rate": 0.1}, None),
+    "config.dp without dp-accounting installed": ({}, _no_dp_accounting),
+}
+
+
+def _message(description, monkeypatch) -> str:
+    from fedorth.train import validate
+
+    overrides, patch = BAD[description]
+    if patch is not None:
+        patch(monkeypatch)
+    with pytest.raises(validate.ConfigError) as error:
+        validate.validate(_config(**overrides))
+    return "error: " + str(error.value)
+
+
+def _doc_row(description: str, message: str) -> str:
+    text = message.replace("|", chr(92) + "|").replace("\n", "<br>")
+    return f"| {description} | {text} |"
+
+
+@pytest.mark.parametrize("description", list(BAD))
+def test_bad_dp_input_is_one_line(description, monkeypatch):
+    pytest.importorskip("dp_accounting")
+    message = _message(description, monkeypatch)
+    lines = message.splitlines()
+    assert lines[0] == "error: Invalid config:" and len(lines) == 2, lines
+    assert "dp" in lines[1]
+    assert _doc_row(description, message) in DOC.read_text(), (
+        "docs/ERRORS.md lacks (run python tests/test_privacy.py):\n"
+        + _doc_row(description, message)
+    )
+
+
+DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md"
+SECTION = "## Differential privacy"
+INTRO = """
+What a run says of `config.dp` (client-level differential privacy; docs/PRIVACY.md), generated
+by `python tests/test_privacy.py` from the cases of that file (the base config with 20 clients,
+5 per round, 30 rounds, `dp.clip_norm=1`). Each is a config error (exit code 2, before anything
+is loaded).
+
+"""
+
+
+def write_doc() -> None:
+    """Rewrites the section of docs/ERRORS.md that this file's cases give."""
+    from helpers import rewrite_doc_section
+
+    rows = []
+    for description in BAD:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            rows.append(_doc_row(description, _message(description, monkeypatch)))
+    body = INTRO + "| bad input | message |\n| --- | --- |\n" + "\n".join(rows) + "\n"
+    rewrite_doc_section(DOC, SECTION, body)
+
+
+# --------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_run_writes_dp_epsilon(tmp_path):
+    """A 2-round DP-FedAvg run from the command line: every evaluated row carries dp_epsilon,
+    the accountant's epsilon after that round."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("dp_accounting")
+    from test_reliability import TINY_ARGS
+
+    repo = DOC.parents[1]
+    command = [
+        sys.executable, "-m", "experiments.main", *TINY_ARGS, f"--workdir={tmp_path / 'w'}",
+        "--config.fed.rounds=2", "--config.trackers=", "--config.dp.clip_norm=0.5",
+        "--config.dp.noise_multiplier=1.0", "--config.dp.delta=0.01",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    out = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    from fedorth.train import privacy as train_privacy
+
+    config = _config(delta=0.01, noise_multiplier=1.0)
+    config.data.num_clients, config.fed.clients_per_round = 4, 2
+    assert [r["round"] for r in rows if "dp_epsilon" in r] == [1, 2]
+    for row in rows[1:]:
+        assert row["dp_epsilon"] == train_privacy.epsilon(config, 1.0, row["round"])
+        assert row["dp_clip_norm"] == 0.5
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(DOC.parents[1] / "tests"))
+    write_doc()

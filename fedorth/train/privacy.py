@@ -168,6 +168,12 @@ def check(config: ml_collections.ConfigDict) -> None:
             f"dp.sampling_rate={dp.get('sampling_rate')} must lie in (0, 1] for "
             "dp.sampling='poisson'."
         )
+    s = int(config.fed.clients_per_round)
+    if sampling == "poisson" and s != n:
+        raise ValueError(
+            f"dp.sampling='poisson' runs every client and masks each with probability "
+            f"dp.sampling_rate: set fed.clients_per_round={n} (= data.num_clients), got {s}."
+        )
     quantile = dp.get("adaptive_quantile")
     if quantile is not None and not 0 <= float(quantile) <= 1:
         raise ValueError(f"dp.adaptive_quantile={quantile} must lie in [0, 1] (or None).")
