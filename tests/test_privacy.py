@@ -211,6 +211,29 @@ def test_epsilon_is_dp_accountings_for_the_runs_sampling():
         assert train_privacy.epsilon(config, 1.2, 30) == accountant.get_epsilon(1e-5)
 
 
+def test_published_epsilon_is_reproduced():
+    """Bu, Dong, Long & Su 2020, "Deep Learning with Gaussian Differential Privacy" (Harvard Data
+    Science Review), Fig. 4: Poisson sampling with p = 256/60000, sigma = 0.7, 70 epochs
+    (16406 rounds) give (8.68, 1e-5)-DP with the moments accountant. As DP-FedAvg with Poisson
+    sampling of N = 60000 clients (the same subsampled Gaussian mechanism, a client in place of
+    an example), the run's accountant composes the RDP curve that, converted as the moments
+    accountant does (``eps = min_a RDP(a) + log(1/delta) / (a - 1)`` over TF Privacy's orders),
+    gives 8.68; ``dp_accounting``'s tighter conversion, what ``dp_epsilon`` reports, less."""
+    pytest.importorskip("dp_accounting")
+    from fedorth.train import privacy as train_privacy
+
+    config = _config(sampling="poisson", sampling_rate=256 / 60000, delta=1e-5)
+    config.data.num_clients = config.fed.clients_per_round = 60000
+    rounds = int(70 * 60000 / 256)
+    accountant, event = train_privacy.accountant_and_event(config, 0.7)
+    orders = np.concatenate([np.linspace(1.1, 10.9, 99), np.arange(11, 64)])
+    accountant = type(accountant)(orders)
+    accountant.compose(event, rounds)
+    moments = np.min(accountant._rdp + np.log(1 / 1e-5) / (orders - 1))
+    assert round(float(moments), 2) == 8.68
+    assert 7.5 < train_privacy.epsilon(config, 0.7, rounds) < moments
+
+
 def test_target_epsilon_calibrates_sigma(capsys):
     """The smallest sigma whose epsilon after fed.rounds rounds is at most the target."""
     pytest.importorskip("dp_accounting")

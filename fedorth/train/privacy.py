@@ -47,6 +47,23 @@ def _sampling(config) -> tuple[str, int, int, float]:
     return sampling, n, s, rate
 
 
+def accountant_and_event(config, noise_multiplier: float):
+    """The ``dp_accounting`` accountant and the one-round event of the run's sampling (module
+    docstring): what :func:`epsilon` composes once per round."""
+    dpa = _dp_accounting()
+    sampling, n, s, rate = _sampling(config)
+    if sampling == "fixed":
+        event = dpa.SampledWithoutReplacementDpEvent(
+            n, s, dpa.GaussianDpEvent(noise_multiplier / 2)
+        )
+        relation = dpa.NeighboringRelation.REPLACE_ONE
+        return dpa.rdp.RdpAccountant(neighboring_relation=relation), event
+    event = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise_multiplier))
+    if config.dp.get("accountant", "rdp") == "pld":
+        return dpa.pld.PLDAccountant(), event
+    return dpa.rdp.RdpAccountant(), event
+
+
 def epsilon(config, noise_multiplier: float, rounds: int) -> float:
     """The epsilon at ``dp.delta`` after ``rounds`` rounds with noise multiplier ``sigma``."""
     if rounds == 0:
@@ -54,19 +71,7 @@ def epsilon(config, noise_multiplier: float, rounds: int) -> float:
     if noise_multiplier == 0:
         return float("inf")
     dpa = _dp_accounting()
-    sampling, n, s, rate = _sampling(config)
-    relation = dpa.NeighboringRelation
-    if sampling == "fixed":
-        event = dpa.SampledWithoutReplacementDpEvent(
-            n, s, dpa.GaussianDpEvent(noise_multiplier / 2)
-        )
-        accountant = dpa.rdp.RdpAccountant(neighboring_relation=relation.REPLACE_ONE)
-    else:
-        event = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise_multiplier))
-        if config.dp.get("accountant", "rdp") == "pld":
-            accountant = dpa.pld.PLDAccountant()
-        else:
-            accountant = dpa.rdp.RdpAccountant()
+    accountant, event = accountant_and_event(config, noise_multiplier)
     accountant.compose(dpa.SelfComposedDpEvent(event, rounds))
     return float(accountant.get_epsilon(float(config.dp.delta)))
 
