@@ -191,7 +191,8 @@ def _config(**dp):
     config.dp.clip_norm = 1.0
     config.dp.noise_multiplier = 1.2
     for key, value in dp.items():
-        config.dp[key] = value
+        section, _, name = key.rpartition(".")
+        (config[section] if section else config.dp)[name] = value
     return config
 
 
@@ -301,6 +302,10 @@ BAD = {
     "`dp.accountant='pld'` with fixed-size sampling": ({"accountant": "pld"}, None),
     "`dp.sampling='poisson'` with `S < N`": ({"sampling": "poisson", "sampling_rate": 0.1}, None),
     "config.dp without dp-accounting installed": ({}, _no_dp_accounting),
+    "FedPAC-SOAP (SOAP's bases averaged by their own rule)": (
+        {"fed.algorithm": "fedpac", "optim.name": "soap"},
+        None,
+    ),
 }
 
 
@@ -326,6 +331,7 @@ def test_bad_dp_input_is_one_line(description, monkeypatch):
     message = _message(description, monkeypatch)
     lines = message.splitlines()
     assert lines[0] == "error: Invalid config:" and len(lines) == 2, lines
+    assert "Traceback" not in message
     assert "dp" in lines[1]
     assert _doc_row(description, message) in DOC.read_text(), (
         "docs/ERRORS.md lacks (run python tests/test_privacy.py):\n"
@@ -388,6 +394,14 @@ def test_cli_run_writes_dp_epsilon(tmp_path):
     for row in rows[1:]:
         assert row["dp_epsilon"] == train_privacy.epsilon(config, 1.0, row["round"])
         assert row["dp_clip_norm"] == 0.5
+
+
+def test_model_state_is_refused():
+    """A model's BatchNorm statistics would reach the server unclipped: refused in one line."""
+    privacy.check_model_state({})
+    with pytest.raises(ValueError, match="non-trainable state") as error:
+        privacy.check_model_state({"bn": {"mean": jnp.zeros(3)}})
+    assert "\n" not in str(error.value)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ class RoundConfig:
                     "(ServerUpdate.combine), which DP-FedAvg's noised sum does not cover; "
                     "use an algorithm that averages its uploads, or leave config.dp off."
                 )
+            if privacy_lib.averages_by_own_rule(algorithm, self.spectral_drift):
+                raise ValueError(privacy_lib.OWN_RULE.format(name=algorithm.name))
             privacy_lib.check_count_noise(self.privacy)
         if algorithm.full_participation_only and s != n:
             raise ValueError(

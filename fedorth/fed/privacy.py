@@ -204,6 +204,28 @@ def check_count_noise(dp: ClientDP) -> None:
             )
 
 
+def averages_by_own_rule(algorithm, spectral_drift: bool) -> bool:
+    """Whether ``algorithm`` averages its uploaded optimizer state otherwise than by its mean
+    (SOAP's bases, ``federated.register_average``; the spectral drift stacks the states)."""
+    if not algorithm.start.averaged:
+        return False
+    probe = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    return spectral_drift or fed_optim.has_average_rule(
+        jax.eval_shape(algorithm.local_tx.init, probe)
+    )
+
+
+OWN_RULE = (
+    "dp: {name} averages its optimizer state with its own rule (SOAP's bases) or the spectral "
+    "drift is on, which DP-FedAvg's noised sum does not cover; set spectral_drift=False or use "
+    "another local optimizer, or leave config.dp off."
+)
+MODEL_STATE = (
+    "dp: the model has non-trainable state (BatchNorm statistics) that clients would upload "
+    "unclipped; use a model without it (e.g. model.name='mlp' or 'cnn'), or leave config.dp off."
+)
+
+
 def check_round(algorithm, plan, server) -> None:
     """Refuses the uploads DP-FedAvg's clipped sum does not cover (at trace time)."""
     if server.privacy is None:
@@ -212,14 +234,10 @@ def check_round(algorithm, plan, server) -> None:
             "with fedorth.fed.init_server(..., privacy=round_config.privacy)."
         )
     if algorithm.start.averaged and not plan.stream_opt:
-        raise ValueError(
-            f"dp: {algorithm.name} averages its optimizer state with its own rule (SOAP's "
-            "bases) or with the spectral drift on, which DP-FedAvg's noised sum does not cover; "
-            "set spectral_drift=False or use another local optimizer, or leave config.dp off."
-        )
-    if any(fed_optim.is_float(x) for x in jax.tree.leaves(server.model_state)):
-        raise ValueError(
-            "dp: the model has non-trainable state (BatchNorm statistics) that clients would "
-            "upload unclipped; use a model without it (e.g. model.name='mlp' or 'cnn'), or "
-            "leave config.dp off."
-        )
+        raise ValueError(OWN_RULE.format(name=algorithm.name))
+    check_model_state(server.model_state)
+
+
+def check_model_state(model_state) -> None:
+    if any(fed_optim.is_float(x) for x in jax.tree.leaves(model_state)):
+        raise ValueError(MODEL_STATE)

@@ -23,6 +23,7 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
 from fedorth.train import privacy
 
@@ -289,6 +290,11 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         params, frozen = model.split(params, adapter_key)
         fed_data = fed_data.replace(frozen_params=frozen)
     round_config = make_round_config(config)
+    if round_config.privacy is not None:
+        try:
+            fed_privacy.check_model_state(model_state)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     # A sharded round (fed.strategy "auto" on several devices) reads the data replicated on its
     # mesh: placed once here, not copied every round.
