@@ -73,6 +73,24 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.trackers = "tensorboard"
     config.mlflow_uri = ""  # "": sqlite:///<workdir's parent>/mlflow.db; or http(s)://HOST:PORT
     config.mlflow_experiment = "fedorth"
+    # Client-level differential privacy (DP-FedAvg, McMahan et al. 2018; docs/PRIVACY.md; the
+    # [dp] extra). Off while clip_norm is None.
+    config.dp = ml_collections.ConfigDict()
+    config.dp.clip_norm = config_dict.placeholder(float)  # C: each client's upload's L2 bound
+    config.dp.noise_multiplier = 1.0  # sigma: the sum's noise std is sigma * C
+    config.dp.delta = 1e-5  # delta of the reported (epsilon, delta); must be < 1/N
+    # epsilon to meet in fed.rounds rounds: sigma is calibrated (noise_multiplier is ignored)
+    config.dp.target_epsilon = config_dict.placeholder(float)
+    # gamma: the clip norm follows this quantile of the upload norms (Andrew et al. 2021)
+    config.dp.adaptive_quantile = config_dict.placeholder(float)
+    config.dp.clip_learning_rate = 0.2  # eta_C of adaptive clipping's geometric update
+    # sigma_b of the clipped count (None: expected cohort / 20, Andrew et al. 2021 Sec. 3)
+    config.dp.count_noise_multiplier = config_dict.placeholder(float)
+    # "fixed": S of N without replacement; "poisson": each client with probability
+    # dp.sampling_rate (set fed.clients_per_round = N: every client runs, the others are masked)
+    config.dp.sampling = "fixed"
+    config.dp.sampling_rate = config_dict.placeholder(float)
+    config.dp.accountant = "rdp"  # rdp | pld (pld: Poisson sampling only)
     config.spectral_drift = (
         False  # FedPAC (Liu et al.) Figure 3: spectral-norm preconditioner drift
     )

@@ -159,6 +159,7 @@ def start_rounds(
         {} if model_state is None else model_state,
         num_clients=num_clients,
         key=jax.random.key(key),
+        privacy=round_options.get("privacy"),
     )
     timing = {} if timer is None else {"timer": timer}
     return Rounds(server, fed.make_round_fn(algorithm, loss_fn, batch_fn, config, **timing), config)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedorth.fed import privacy
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.config import RoundConfig
 from fedorth.fed.context import ClientResult, PrepassInput, RoundContext
@@ -166,9 +167,14 @@ def make_client_fn(
     return client_fn
 
 
-def per_client_outputs(algorithm: FedAlgorithm, client_fn: Callable, drift, has_clients: bool):
+def per_client_outputs(
+    algorithm: FedAlgorithm, client_fn: Callable, drift, has_clients: bool, dp=None
+):
     """``per_client(shared, xs) -> (averaged, stacked)`` for ``execution.run_clients``: what the
-    server averages over the clients (summarized as they finish) and what it needs per client."""
+    server averages over the clients (summarized as they finish) and what it needs per client.
+
+    With client-level differential privacy (``dp``, a ``fedorth.fed.privacy.ClientDP``) the
+    upload is clipped here, client by client, before anything is summarized."""
     from fedorth.fed import drift as drift_lib
 
     def per_client(shared, xs):
@@ -185,6 +191,17 @@ def per_client_outputs(algorithm: FedAlgorithm, client_fn: Callable, drift, has_
         if algorithm.server.combine is not None:
             stacked["delta"] = out["delta"]
             stacked["report"] = out.get("report", {})
+        if dp is not None:
+            ctx = shared[0]
+            averaged = privacy.clip_upload(dp, ctx, averaged, xs.client_id)
+            if has_clients and dp.sampling == "poisson":
+                # A client Poisson sampling leaves out keeps what it had.
+                joined = privacy.participates(dp, ctx, xs.client_id)
+                stacked["persistent"] = jax.tree.map(
+                    lambda new, old: jnp.where(joined, new, old.astype(new.dtype)),
+                    new_persistent,
+                    xs.persistent,
+                )
         return averaged, stacked
 
     return per_client

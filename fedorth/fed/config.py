@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from fedorth.fed import privacy as privacy_lib
 from fedorth.fed.algorithm import FedAlgorithm
+from fedorth.fed.privacy import ClientDP
 
 STRATEGIES = ("auto", "vmap", "chunked", "sequential", "sharded")
 
@@ -33,6 +35,8 @@ class RoundConfig:
       unroll: ``unroll`` of the local-step ``lax.scan`` (1 = a rolled loop, the measured best
         with the models' default convolutions; ``True`` = fully unrolled).
       spectral_drift: also compute the spectral-norm preconditioner drift (power iteration).
+      privacy: client-level differential privacy (``fedorth.fed.privacy.ClientDP``: DP-FedAvg's
+        clipped, noised aggregate), or None.
     """
 
     num_clients: int
@@ -44,6 +48,7 @@ class RoundConfig:
     mesh: Mesh | None = None
     unroll: int | bool = 1
     spectral_drift: bool = False
+    privacy: ClientDP | None = None
 
     def validate(self, algorithm: FedAlgorithm) -> None:
         n, s, k = self.num_clients, self.clients_per_round, self.local_steps
@@ -76,6 +81,21 @@ class RoundConfig:
                     f"fed.clients_per_round={s} must be a multiple of the {devices} devices "
                     "of the mesh's 'clients' axis for strategy 'sharded'."
                 )
+        if self.privacy is not None:
+            if self.privacy.sampling == "poisson" and s != n:
+                raise ValueError(
+                    f"dp.sampling='poisson' runs every client and masks them: set "
+                    f"fed.clients_per_round={n} (= num_clients), got {s}."
+                )
+            if algorithm.server.combine is not None:
+                raise ValueError(
+                    f"dp: {algorithm.name} combines the clients' updates with its own rule "
+                    "(ServerUpdate.combine), which DP-FedAvg's noised sum does not cover; "
+                    "use an algorithm that averages its uploads, or leave config.dp off."
+                )
+            if privacy_lib.averages_by_own_rule(algorithm, self.spectral_drift):
+                raise ValueError(privacy_lib.OWN_RULE.format(name=algorithm.name))
+            privacy_lib.check_count_noise(self.privacy)
         if algorithm.full_participation_only and s != n:
             raise ValueError(
                 f"{algorithm.name} is defined for full participation only ({algorithm.paper}): "

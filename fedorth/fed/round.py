@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fedorth.fed import autotune, client, drift, execution, reduce
+from fedorth.fed import autotune, client, drift, execution, privacy, reduce
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.autotune import MeasuredRoundFn
 from fedorth.fed.client import BatchFn, LossFn
@@ -53,8 +53,10 @@ def round_body(
         ids = ctx.client_ids
         persistent = gather_clients(server.clients, ids) if server.clients is not None else None
         plan = drift.plan(algorithm, config, server)
+        if config.privacy is not None:
+            privacy.check_round(algorithm, plan, server)
         per_client = client.per_client_outputs(
-            algorithm, client_fn, plan, server.clients is not None
+            algorithm, client_fn, plan, server.clients is not None, config.privacy
         )
         prepass_mean, prepass = {}, {}
         if algorithm.corrections.prepass is not None:
@@ -77,12 +79,18 @@ def round_body(
             plan.spread,
             "delta",
         )
+        dp_metrics = {}
+        if config.privacy is not None:
+            stats, privacy_state, dp_metrics = privacy.privatize(config.privacy, ctx, stats)
         new, mean_delta = server_step(algorithm, ctx, stats, stacked)
         metrics = {"train_loss": stats["mean"]["loss"], "learning_rate": ctx.learning_rate}
         metrics.update(reduce.drift(stats, "delta", s))
         new, drift_metrics = drift.server_opt_state(algorithm, plan, new, stats, stacked, s)
         metrics.update(drift_metrics)
         new = server_quantities(algorithm, ctx, new, stats["mean"], mean_delta, stacked)
+        if config.privacy is not None:
+            new = new.replace(privacy=privacy_state)
+            metrics.update(dp_metrics)
         return new, metrics
 
     return round_fn

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.context import RoundContext, sample_clients  # noqa: F401  (the round's)
+from fedorth.fed.privacy import ClientDP
+from fedorth.fed.privacy import init_state as init_privacy
 from fedorth.fed.state import (
     ClientState,
     ServerState,
@@ -37,8 +39,10 @@ def init_server(
     *,
     num_clients: int,
     key: jax.Array,
+    privacy: ClientDP | None = None,
 ) -> ServerState:
-    """The server state before round 0 (``g_G = 0``, control variates ``0``, ``M_i = 0``)."""
+    """The server state before round 0 (``g_G = 0``, control variates ``0``, ``M_i = 0``; with
+    client-level differential privacy, ``privacy``, its initial clip norm)."""
     _check_model_state(model_state, algorithm)
     # The round donates the server state: copy so the caller's arrays stay valid.
     params = jax.tree.map(jnp.copy, params)
@@ -59,6 +63,7 @@ def init_server(
         clients=clients,
         key=key,
         extra=quantities.init(params) if quantities is not None else {},
+        privacy=init_privacy(privacy),
         **corrections,
     )
 

@@ -49,6 +49,8 @@ class ServerState:
       key: the run's base PRNG key; rounds derive theirs with ``fold_in(key, round)``.
       extra: algorithm-defined server quantities (``ServerQuantities``), passed
         to the clients' local optimizer as extra arguments.
+      privacy: client-level differential privacy's state (``fedorth.fed.privacy``: the clip
+        norm), or None without it.
     """
 
     round: jax.Array
@@ -61,6 +63,7 @@ class ServerState:
     clients: ClientState | None
     key: jax.Array
     extra: dict = struct.field(default_factory=dict)
+    privacy: PyTree = None
 
 
 def zeros_like_tree(tree: PyTree) -> PyTree:

@@ -24,8 +24,9 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
-from fedorth.train import distributed
+from fedorth.train import distributed, privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -115,6 +116,7 @@ def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
         chunk_size=config.fed.get("chunk_size"),
         unroll=config.fed.get("unroll", 1),
         spectral_drift=bool(config.get("spectral_drift", False)),
+        privacy=privacy.client_dp(config),
     )
 
 
@@ -300,6 +302,11 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         params, frozen = model.split(params, adapter_key)
         fed_data = fed_data.replace(frozen_params=frozen)
     round_config = make_round_config(config)
+    if round_config.privacy is not None:
+        try:
+            fed_privacy.check_model_state(model_state)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     # A sharded round (fed.strategy "auto" on several devices) reads the data replicated on its
     # mesh: placed once here, not copied every round.
@@ -433,7 +440,9 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
     server = jax.eval_shape(
-        lambda p, s, k: fed.init_server(algorithm, p, s, num_clients=num_clients, key=k),
+        lambda p, s, k: fed.init_server(
+            algorithm, p, s, num_clients=num_clients, key=k, privacy=round_config.privacy
+        ),
         params,
         model_state,
         run_key,
@@ -452,6 +461,7 @@ def init_server(experiment: Experiment) -> fed.ServerState:
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
         key=run_key,
+        privacy=experiment.round_config.privacy,
     )
     return experiment.round_fn.place(server)
 

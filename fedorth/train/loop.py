@@ -57,7 +57,7 @@ import numpy as np
 import fedorth
 from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
-from fedorth.train import builders, plots
+from fedorth.train import builders, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
@@ -839,6 +839,7 @@ def _train_rounds(
                 row.update({k: float(v) for k, v in metrics.items()})
                 row.update({k: float(v) for k, v in evaluation.items()})
                 row.update(comm_row())
+                row.update(privacy.epsilon_row(config, round_index))
                 row["wall_s"] = wall_offset + time.perf_counter() - start
                 if config.get("log_condition_number", False):
                     kappa = builders.condition_numbers(to_host(server.params))

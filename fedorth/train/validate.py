@@ -46,7 +46,7 @@ from fedorth import fed, models
 from fedorth.fed import local
 from fedorth.models.layers import MODEL_DTYPES
 from fedorth.optim.newton_schulz import NS_DTYPES
-from fedorth.train import builders, trackers
+from fedorth.train import builders, privacy, trackers
 from fedorth.train.builders import ConfigError
 
 _UNIT_OPTIONS = ("alpha", "beta")  # algorithm weights: a convex combination, in [0, 1]
@@ -288,6 +288,14 @@ def _check_top_level(c: _Checker, config) -> None:
             c.integer(key, config[key], low)
 
 
+def _check_privacy(c: _Checker, config) -> None:
+    """``config.dp`` (client-level differential privacy; fedorth.train.privacy)."""
+    try:
+        privacy.check(config)
+    except ValueError as e:
+        c.fail(str(e))
+
+
 def _check_builds(c: _Checker, config) -> None:
     """Builds the optimizer and algorithm (Optax closures, nothing compiled) to run their checks."""
     name = config.fed.algorithm
@@ -358,6 +366,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check_model(c, config)
     optim_ok = _check_optim(c, config)
     _check_fed(c, config)
+    if not c.errors:
+        _check_privacy(c, config)
     if not c.errors and optim_ok:
         # Only on an otherwise valid config, so each problem is reported once.
         _check_builds(c, config)
