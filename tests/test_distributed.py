@@ -499,7 +499,15 @@ MATRIX = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_kind_of_config_on_two_processes_equals_one_process(tmp_path, xla_cache, name):
-    """Each config as two processes against one process over the same device count."""
+    """Each config as two processes against one process over the same device count.
+
+    The matrix, with the shipped FedAvg and the SCAFFOLD resume: configs fedavg, scaffold (a
+    state per client), fedpac_soap (host LAPACK in the sharded round), fedpac_muon, fedmuon and
+    local_sgda (minimax, AUC); layouts 2 processes x 1 device (fedavg, fedpac_soap, fedmuon,
+    local_sgda) and x 2 devices (scaffold, fedpac_muon); eval_every 1, 2 and 3; N = 100, S = 10
+    (S = 8 over all 4 devices for fedpac_muon; N = S = 8 for local_sgda; the shipped N = 20,
+    S = 5 for fedavg); a process killed and the run resumed (scaffold). Not the full product:
+    each axis at least once, a few rounds each, the three processes of a case at once."""
     devices, flags, rtol = MATRIX[name]
     _run_both([f"--config=configs/{name}.py", *flags], devices, tmp_path, xla_cache)
     _assert_both_equal_one(

@@ -171,7 +171,8 @@ def test_a_bad_slice_is_refused_in_one_line(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_a_second_job_of_the_same_slice_is_refused_in_one_line(tmp_path):
-    """Job 0/2 while another job 0/2 runs in the workdir: the slice's lock names the holder."""
+    """Job 0/2 while another job 0/2 runs in the workdir: the slice's lock names the holder.
+    Then the job with another grid: refused, naming both grids."""
     first = _sweep(
         tmp_path / "w", "--config.fed.rounds=100000", "--sweep.shard=0/2", log=tmp_path / "a.log"
     )
@@ -206,4 +207,19 @@ def test_a_second_job_of_the_same_slice_is_refused_in_one_line(tmp_path):
         line.replace(str(tmp_path / "w"), "$WORKDIR"),
     )
     documented = documented.replace(f"kill {first.pid};", "kill $PID;")
+    assert documented in (ROOT / "docs" / "ERRORS.md").read_text(), documented
+
+    # The slice's job again, with a seed added: the grid deals the replicas to the jobs, so a job
+    # keeps its grid.
+    grown = [a.replace("--sweep.seed=42,43", "--sweep.seed=42,43,44") for a in ARGS]
+    result = _command(
+        "experiments.sweep", f"--workdir={tmp_path / 'w'}", *grown, "--sweep.shard=0/2"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    documented = re.sub(
+        r"recorded in (checkpoint \d+|sweep\.json)",
+        "recorded in $WHERE",
+        line.replace(str(tmp_path / "w"), "$WORKDIR"),
+    )
     assert documented in (ROOT / "docs" / "ERRORS.md").read_text(), documented
