@@ -424,6 +424,103 @@ def test_fedadam_matches_reddi_alg2_without_bias_correction():
     assert _norm(_map(np.subtract, step, step_c)) > 0.1 * _norm(step)
 
 
+def _local_momentum_sgd_deltas(data, x, r, wd, mu=0.5):
+    """The sampled clients' ``x_i^K - x^r`` of round ``r``: local momentum SGD, reset each round."""
+    deltas = []
+    for i in _ids(r):
+        y, mom = dict(x), _zeros()
+        for _ in range(K):
+            gr = _grad(data, i, y)
+            mom = _map(lambda a, g: mu * a + g, mom, gr)
+            y = _map(lambda p, u: p - LR * (u + wd * p), y, mom)
+        deltas.append(_map(np.subtract, y, x))
+    return _mean(deltas)
+
+
+@pytest.mark.parametrize("server_opt", ["yogi", "adagrad"])
+def test_fedyogi_and_fedadagrad_match_reddi_alg2(server_opt):
+    """FedYogi and FedAdagrad (Reddi et al. 2021, Alg. 2) are FedAvg with
+    ``fed.options.server_opt``: ``m <- b1 m + (1 - b1) Delta``, ``v <- v + Delta^2`` (Adagrad)
+    or ``v <- v - (1 - b2) Delta^2 sign(v - Delta^2)`` (Yogi), ``x <- x + eta m / (sqrt(v) +
+    tau)``, no bias correction, ``v`` from 0 as FedAdam's."""
+    slr, sb1, sb2, tau, wd = 0.05, 0.9, 0.9, 1e-3, 0.01
+    data = fp.quadratic_clients(N, seed=17)
+    server_options = {"server_lr": slr, "server_b1": sb1, "server_tau": tau}
+    if server_opt == "yogi":
+        server_options["server_b2"] = sb2
+    optim = {"name": "sgd", "momentum": 0.5, "weight_decay": wd}
+    server = _run(fed.get_algorithm("fedavg", optim, server_opt=server_opt, **server_options), data)
+
+    x, m, v = _zeros(), _zeros(), _zeros()
+    signs = set()
+    for r in range(R):
+        delta = _local_momentum_sgd_deltas(data, x, r, wd)
+        m = _map(lambda a, d: sb1 * a + (1 - sb1) * d, m, delta)
+        if server_opt == "adagrad":
+            v = _map(lambda a, d: a + d * d, v, delta)
+        else:
+            signs |= {s for k in v for s in np.sign(v[k] - delta[k] ** 2).ravel()}
+            v = _map(lambda a, d: a - (1 - sb2) * d * d * np.sign(a - d * d), v, delta)
+        x = _map(lambda p, mm, vv: p + slr * mm / (np.sqrt(vv) + tau), x, m, v)
+    _close(server.params, x, "x")
+    if server_opt == "yogi":  # both branches of Yogi's sign: it is not Adam's nor Adagrad's
+        assert {-1.0, 1.0} <= signs, signs
+
+
+def test_server_opt_adam_is_fedadam():
+    """``server_opt="adam"`` on FedAvg is FedAdam's server, bit for bit."""
+    data = fp.quadratic_clients(N, seed=3)
+    optim = {"name": "sgd", "momentum": 0.5}
+    want = _run(fed.get_algorithm("fedadam", optim, server_lr=0.05), data).params
+    got = _run(fed.get_algorithm("fedavg", optim, server_opt="adam", server_lr=0.05), data).params
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_nesterov_server_matches_diloco_alg1():
+    """DiLoCo (Douillard et al. 2023, Alg. 1): the outer gradient ``Delta = x - mean_i x_i``
+    goes through Nesterov momentum SGD (PyTorch's: ``v <- mu v + Delta``, ``x <- x - lr (Delta
+    + mu v)``), here with FedAvg's local momentum SGD as the inner optimizer."""
+    slr, mu, wd = 0.7, 0.9, 0.01
+    data = fp.quadratic_clients(N, seed=11)
+    optim = {"name": "sgd", "momentum": 0.5, "weight_decay": wd}
+    alg = fed.get_algorithm(
+        "fedavg", optim, server_opt="nesterov", server_lr=slr, server_momentum=mu
+    )
+    server = _run(alg, data)
+
+    x, buf = _zeros(), _zeros()
+    for r in range(R):
+        outer = _map(np.negative, _local_momentum_sgd_deltas(data, x, r, wd))
+        buf = _map(lambda b, g: mu * b + g, buf, outer)
+        x = _map(lambda p, g, b: p - slr * (g + mu * b), x, outer, buf)
+    _close(server.params, x, "x")
+
+
+def test_every_algorithm_takes_a_server_optimizer():
+    """``fed.options.server_opt`` replaces any registered algorithm's server optimizer (MuLoCo:
+    Muon inside, Nesterov outside), keeping its rule and combine; its keys are refused where
+    they do not apply, in one line."""
+    for name in fed.ALGORITHMS:
+        for optim in ({"name": o} for o in ("sgd", "adamw", "muon", "soap", "sophia", "lmo")):
+            try:  # the local optimizer the algorithm runs (local_soap runs SOAP only)
+                base = fed.get_algorithm(name, optim)
+                break
+            except ValueError:
+                continue
+        alg = fed.get_algorithm(name, optim, server_opt="nesterov", server_lr=0.5)
+        assert alg.server.rule == base.server.rule, name
+        assert (alg.server.combine is None) == (base.server.combine is None), name
+        assert alg.server.tx is not base.server.tx, name
+    with pytest.raises(
+        ValueError,
+        match=r"fed.options.server_b2 does not apply to fed.options.server_opt='adagrad'; its keys",
+    ):
+        fed.get_algorithm("fedavg", {"name": "sgd"}, server_opt="adagrad", server_b2=0.9)
+    with pytest.raises(ValueError, match=r"fed.options.server_opt='lamb'; valid: \('sgd'"):
+        fed.get_algorithm("fedmuon", {"name": "muon"}, server_opt="lamb")
+
+
 # ---- Fed-Sophia / FedPM -------------------------------------------------------------------
 
 

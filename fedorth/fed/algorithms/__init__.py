@@ -3,6 +3,13 @@
 ``get_algorithm(name, optim, **options)`` builds a :class:`fedorth.fed.FedAlgorithm`; ``optim``
 is the local optimizer config (``name`` plus hyperparameters), ``options`` the algorithm's own
 (e.g. ``alpha``, ``beta``, ``server_lr``).
+
+Every algorithm also takes ``server_opt`` (``fedorth.fed.update.server_optimizer``: ``"sgd"``,
+``"nesterov"``, ``"adam"``, ``"yogi"``, ``"adagrad"``): the server optimizer then replaces the
+algorithm's own on the pseudo-gradient, and ``server_lr``, ``server_momentum``, ``server_b1``,
+``server_b2``, ``server_tau`` are that optimizer's (FedYogi and FedAdagrad are FedAvg with
+``server_opt="yogi"``/``"adagrad"``; DiLoCo's outer step is ``server_opt="nesterov"``, on any
+algorithm).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedorth.fed import local
+from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.algorithms.baselines_adam_biclip import adam_biclip
 from fedorth.fed.algorithms.baselines_fafed import fafed
@@ -103,6 +110,12 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     """Builds the registered algorithm ``name`` with local optimizer config ``optim``."""
     if name not in ALGORITHMS:
         raise ValueError(f"fed.algorithm={name!r} is unknown; valid: {sorted(ALGORITHMS)}.")
+    server_tx = None
+    if options.get("server_opt") is not None:
+        keys = update.SERVER_OPTIMIZER_KEYS[1:]
+        server_options = {k: options.pop(k) for k in keys if k in options}
+        server_tx = update.server_optimizer(options.pop("server_opt"), **server_options)
+    options.pop("server_opt", None)
     accepted = _option_keywords(name)
     unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
     if unknown:
@@ -118,7 +131,12 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     # The round's learning rate is RoundConfig's: recorded so that RoundConfig.validate refuses
     # a contradicting one instead of ignoring optim["learning_rate"].
     schedule = {k: optim[k] for k in local.SCHEDULE_KEYS if k in optim}
-    return dataclasses.replace(algorithm, optim_schedule=schedule or None)
+    algorithm = dataclasses.replace(algorithm, optim_schedule=schedule or None)
+    if server_tx is None:
+        return algorithm
+    return dataclasses.replace(
+        algorithm, server=dataclasses.replace(algorithm.server, tx=server_tx)
+    )
 
 
 def _option_keywords(name: str) -> list[str] | None:
@@ -127,11 +145,14 @@ def _option_keywords(name: str) -> list[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sorted(p.name for p in params if p.kind in named and p.name not in ("optim", "name"))
+    own = {p.name for p in params if p.kind in named and p.name not in ("optim", "name")}
+    return sorted(own | {"server_opt"})
 
 
 def option_keywords(name: str) -> list[str] | None:
-    """The ``fed.options`` keys of algorithm ``name`` (``None`` if it takes any keyword)."""
+    """The ``fed.options`` keys of algorithm ``name`` (``None`` if it takes any keyword):
+    its own and ``server_opt``, with which ``update.SERVER_OPTIMIZER_KEYS`` apply too (module
+    docstring)."""
     if name not in ALGORITHMS:
         raise ValueError(f"fed.algorithm={name!r} is unknown; valid: {sorted(ALGORITHMS)}.")
     return _option_keywords(name)
