@@ -101,6 +101,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "fedavg_vr": ("fedavg_vr", SGD, {}),
     "fedavgm": ("fedavgm", SGD, {}),
     "fedcm": ("fedcm", SGD, {}),
+    "feddyn": ("feddyn", SGD, {"alpha": 0.1}),
     "fedlada": ("fedlada", {"name": "adamw"}, {}),
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedmuon_bc": ("fedmuon_bc", {"name": "lmo", "ns_steps": 5}, {}),
@@ -153,6 +154,7 @@ EVERY_STRATEGY = (
     "f_sagda",
     "fedmuon_zg",
     "fedpac[state,server_lr]",
+    "feddyn",
 )
 
 

@@ -331,6 +331,37 @@ def add_control_variate() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def add_dynamic_regularizer(alpha: float) -> optax.GradientTransformationExtraArgs:
+    r"""Adds the gradient of FedDyn's dynamic regularizer to the updates (Acar et al. 2021,
+    "Federated Learning Based on Dynamic Regularization", Alg. 1: client ``k`` minimizes
+    ``L_k(w) - <grad L_k(w_k^{t-1}), w> + alpha/2 ||w - w^{t-1}||^2``).
+
+    .. math:: u \leftarrow u - g_k + \alpha (w - w^{t-1})
+
+    Returns:
+      A transform whose ``update`` takes the extra arguments ``round_context`` (its ``params``:
+      the round's ``w^{t-1}``) and ``client_control`` (the client's ``g_k = grad L_k(w_k^{t-1})``,
+      kept as its control variate).
+    """
+
+    def update_fn(updates, state, params=None, *, round_context=None, client_control=None, **_):
+        if round_context is None or client_control is None or params is None:
+            raise ValueError(
+                "add_dynamic_regularizer needs the parameters and the extra arguments "
+                "`round_context` and `client_control`."
+            )
+        out = jax.tree.map(
+            lambda u, w, w_t, g: (u + (alpha * (w - w_t) - g).astype(u.dtype)).astype(u.dtype),
+            updates,
+            params,
+            round_context.params,
+            client_control,
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(lambda params: EmptyState(), update_fn)
+
+
 def scale_by_round_learning_rate(flip_sign: bool = True) -> optax.GradientTransformationExtraArgs:
     r"""Scales by the round's learning rate, given by the engine as the extra arg ``learning_rate``.
 

@@ -36,6 +36,7 @@ from fedorth.fed.algorithms.baselines_padamfed import padamfed, padamfed_vr
 from fedorth.fed.algorithms.baselines_second_order import fed_sophia, fedpm
 from fedorth.fed.algorithms.fedavg import fedadam, fedavg, fedavgm
 from fedorth.fed.algorithms.fedcm import fedcm
+from fedorth.fed.algorithms.feddyn import feddyn
 from fedorth.fed.algorithms.fedmuon import fedmuon, fedmuon_svd
 from fedorth.fed.algorithms.fedmuon_bc import fedmuon_bc
 from fedorth.fed.algorithms.fedmuon_zg import fedmuon_zg
@@ -72,6 +73,7 @@ ALGORITHMS: dict[str, Callable[..., FedAlgorithm]] = {
     "fedadam": fedadam,
     "scaffold": scaffold,
     "fedcm": fedcm,
+    "feddyn": feddyn,
     "fedmuon": fedmuon,
     "fedmuon_svd": fedmuon_svd,
     "fedmuon_bc": fedmuon_bc,
