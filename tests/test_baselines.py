@@ -521,6 +521,60 @@ def test_every_algorithm_takes_a_server_optimizer():
         fed.get_algorithm("fedmuon", {"name": "muon"}, server_opt="lamb")
 
 
+# ---- FedNova ------------------------------------------------------------------------------
+
+
+def _fednova_steps(r, i, min_steps):
+    """Client ``i``'s ``tau_i`` in round ``r``: drawn with its step-0 optimizer key (the
+    engine's keys: round ``fold_in(key(0), r)``, client ``fold_in(., i)``, step ``fold_in(.,
+    0)`` split into batch, model and optimizer keys)."""
+    from fedorth.optim.fednova import draw_steps
+
+    client_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), r), i)
+    opt_key = jax.random.split(jax.random.fold_in(client_key, 0), 3)[2]
+    return int(draw_steps(opt_key, min_steps, K))
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.6])
+def test_fednova_matches_normalized_averaging_with_heterogeneous_steps(rho):
+    """FedNova (Wang et al. 2020, Eq. (3)-(4)) with client-dependent tau_i: client i runs tau_i
+    heavy-ball steps, ||a_i||_1 = sum_{j<=tau_i} (1 - rho^j)/(1 - rho), and
+    x <- x + tau_eff mean_i (x_i - x)/||a_i||_1, tau_eff = mean_i ||a_i||_1 (p_i = 1/S)."""
+    data = fp.quadratic_clients(N, seed=21)
+    optim = {"name": "sgd", "momentum": rho}
+    server = _run(fed.get_algorithm("fednova", optim, min_local_steps=1), data)
+
+    x, taus = _zeros(), set()
+    for r in range(R):
+        normalized, norms = [], []
+        for i in _ids(r):
+            tau = _fednova_steps(r, int(i), 1)
+            taus.add(tau)
+            y, mom = dict(x), _zeros()
+            for _ in range(tau):
+                mom = _map(lambda a, g: rho * a + g, mom, _grad(data, i, y))
+                y = _map(lambda p, u: p - LR * u, y, mom)
+            a_norm = sum((1 - rho**j) / (1 - rho) for j in range(1, tau + 1))
+            norms.append(a_norm)
+            normalized.append(_map(lambda p, q: (p - q) / a_norm, y, x))
+        tau_eff = np.mean(norms)
+        x = _map(lambda p, d: p + tau_eff * d, x, _mean(normalized))
+    assert len(taus) > 1, taus  # the clients' step counts differ: not FedAvg
+    _close(server.params, x, "x")
+    fedavg = _run(fed.get_algorithm("fedavg", optim), data).params
+    assert _norm(_map(np.subtract, server.params, fedavg)) > 1e-3
+
+
+def test_fednova_with_equal_steps_is_fedavg():
+    """Every client running the same K steps of the same momentum SGD: all ||a_i||_1 equal
+    tau_eff, and FedNova's step is FedAvg's mean update (Wang et al. 2020, Sec. 4)."""
+    data = fp.quadratic_clients(N, seed=22)
+    optim = {"name": "sgd", "momentum": 0.6}
+    nova = _run(fed.get_algorithm("fednova", optim), data).params
+    avg = _run(fed.get_algorithm("fedavg", optim), data).params
+    _close(nova, avg, "x")
+
+
 # ---- Fed-Sophia / FedPM -------------------------------------------------------------------
 
 

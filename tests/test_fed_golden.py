@@ -102,6 +102,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "fedavgm": ("fedavgm", SGD, {}),
     "fedcm": ("fedcm", SGD, {}),
     "feddyn": ("feddyn", SGD, {"alpha": 0.1}),
+    "fednova": ("fednova", {"name": "sgd", "momentum": 0.5}, {"min_local_steps": 1}),
     "fedlada": ("fedlada", {"name": "adamw"}, {}),
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedmuon_bc": ("fedmuon_bc", {"name": "lmo", "ns_steps": 5}, {}),

@@ -40,6 +40,7 @@ from fedorth.fed.algorithms.feddyn import feddyn
 from fedorth.fed.algorithms.fedmuon import fedmuon, fedmuon_svd
 from fedorth.fed.algorithms.fedmuon_bc import fedmuon_bc
 from fedorth.fed.algorithms.fedmuon_zg import fedmuon_zg
+from fedorth.fed.algorithms.fednova import fednova
 from fedorth.fed.algorithms.fedpac import LIGHT_RATIOS, fedpac
 from fedorth.fed.algorithms.minimax import fed_nsgda_m, fedmuon_da, fedsgda_clip
 from fedorth.fed.algorithms.minimax_baselines import (
@@ -74,6 +75,7 @@ ALGORITHMS: dict[str, Callable[..., FedAlgorithm]] = {
     "scaffold": scaffold,
     "fedcm": fedcm,
     "feddyn": feddyn,
+    "fednova": fednova,
     "fedmuon": fedmuon,
     "fedmuon_svd": fedmuon_svd,
     "fedmuon_bc": fedmuon_bc,
