@@ -244,6 +244,47 @@ def test_fedlada_matches_numpy():
     assert int(adam.count) == R * K
 
 
+def _moments(m, v, gr, b1, b2):
+    m = _map(lambda a, b: b1 * a + (1 - b1) * b, m, gr)
+    return m, _map(lambda a, b: b2 * a + (1 - b2) * b * b, v, gr)
+
+
+def _released_code_rounds(data, clip, step):
+    """The round loop of the released main_FedAdamW.py (FedLADA and FedAdamW): each sampled
+    client starts with m = 0 and v = v-bar, takes K steps ``step(y, m, v, g, t, delta_g) ->
+    (y, m, v)`` on its (optionally clipped) gradients, t = r K + k + 1; the server averages x
+    and v, and delta_g = -mean(dx) / (K lr). Returns x, v-bar, delta_g, the clipped count."""
+    x, vbar, delta_g, clipped = _zeros(), _zeros(), _zeros(), 0
+    for r in range(R):
+        deltas, vs = [], []
+        for i in _ids(r):
+            y, m, v = dict(x), _zeros(), dict(vbar)
+            for k in range(K):
+                gr = _grad(data, i, y)
+                n = _norm(gr)
+                if clip is not None and n > clip:
+                    clipped += 1
+                    gr = _map(lambda a: a * clip / n, gr)
+                y, m, v = step(y, m, v, gr, r * K + k + 1, delta_g)
+            deltas.append(_map(np.subtract, y, x))
+            vs.append(v)
+        mean_delta = _mean(deltas)
+        delta_g = _map(lambda d: -d / (K * LR), mean_delta)
+        x = _map(np.add, x, mean_delta)
+        vbar = _mean(vs)
+    assert clip is None or clipped > 0, "the clipping must bind at least once"
+    return x, vbar, delta_g
+
+
+def _check_released_code_server(server, x, vbar, delta_g):
+    _close(server.params, x, "x")
+    _close(server.global_direction, delta_g, "Delta")
+    is_adam = lambda n: isinstance(n, optax.ScaleByAdamState)  # noqa: E731
+    (adam,) = [n for n in jax.tree.leaves(server.opt_state, is_leaf=is_adam) if is_adam(n)]
+    _close(adam.nu, vbar, "v-bar")
+    return adam
+
+
 def test_fedlada_defaults_match_the_released_code():
     """The defaults follow the FedMuon (Liu et al.) authors' released FedLADA (junkangLiu0/
     FedAdamW main_FedAdamW.py): torch Adam at lr (1 - 0.9) with step 10^6 (no bias correction),
@@ -256,42 +297,44 @@ def test_fedlada_defaults_match_the_released_code():
     optim = {"name": "adamw", "b1": b1, "b2": b2, "eps": eps, "weight_decay": wd}
     server = _run(fed.get_algorithm("fedlada", optim, clip_norm=clip), data)
 
-    x, vbar, delta_g, clipped = _zeros(), _zeros(), _zeros(), 0
-    for r in range(R):
-        deltas, vs = [], []
-        for i in _ids(r):
-            y, m, v = dict(x), _zeros(), dict(vbar)
-            for _ in range(K):
-                gr = _grad(data, i, y)
-                n = _norm(gr)
-                if n > clip:
-                    clipped += 1
-                    gr = _map(lambda a: a * clip / n, gr)
-                gr = _map(lambda a, p: a + wd * p, gr, y)  # coupled weight decay
-                m = _map(lambda a, b: b1 * a + (1 - b1) * b, m, gr)
-                v = _map(lambda a, b: b2 * a + (1 - b2) * b * b, v, gr)
-                y = _map(
-                    lambda p, mm, vv, dg: (
-                        p - LR * (alpha * mm / (np.sqrt(vv) + eps) + (1 - alpha) * dg)
-                    ),
-                    y,
-                    m,
-                    v,
-                    delta_g,
-                )
-            deltas.append(_map(np.subtract, y, x))
-            vs.append(v)
-        mean_delta = _mean(deltas)
-        delta_g = _map(lambda d: -d / (K * LR), mean_delta)
-        x = _map(np.add, x, mean_delta)
-        vbar = _mean(vs)
+    def step(y, m, v, gr, t, delta_g):
+        del t  # step 10^6: no bias correction
+        gr = _map(lambda a, p: a + wd * p, gr, y)  # coupled weight decay
+        m, v = _moments(m, v, gr, b1, b2)
+        y = _map(
+            lambda p, mm, vv, dg: p - LR * (alpha * mm / (np.sqrt(vv) + eps) + (1 - alpha) * dg),
+            y,
+            m,
+            v,
+            delta_g,
+        )
+        return y, m, v
 
-    assert clipped > 0, "the clipping must bind at least once"
-    _close(server.params, x, "x")
-    _close(server.global_direction, delta_g, "Delta")
-    is_adam = lambda n: isinstance(n, optax.ScaleByAdamState)  # noqa: E731
-    (adam,) = [n for n in jax.tree.leaves(server.opt_state, is_leaf=is_adam) if is_adam(n)]
-    _close(adam.nu, vbar, "v-bar")
+    _check_released_code_server(server, *_released_code_rounds(data, clip, step))
+
+
+@pytest.mark.parametrize("clip", [None, 2.0])
+def test_fedadamw_defaults_match_the_released_code(clip):
+    """FedAdamW as the authors' released code runs it (junkangLiu0/FedAdamW main_FedAdamW.py,
+    update_FedAdamW): torch AdamW at the full lr with decoupled weight decay, m restarted, v
+    from the server's mean, bias correction at the global step t = r K + k + 1 (its step
+    counter grows by K a round), then p += 0.5 lr/K * mean(dx)/lr; the server averages x and v.
+    Unlike FedLADA's code (test above): AdamW's step is not scaled by (1 - gamma), and it is
+    bias-corrected. With clip, the optional clip_grad_norm_ binds."""
+    b1, b2, eps, wd, gamma = 0.9, 0.99, 1e-8, 0.01, 0.5
+    data = fp.quadratic_clients(N, seed=19)
+    optim = {"name": "adamw", "b1": b1, "b2": b2, "eps": eps, "weight_decay": wd}
+    server = _run(fed.get_algorithm("fedadamw", optim, clip_norm=clip), data)
+
+    def step(y, m, v, gr, t, delta_g):
+        m, v = _moments(m, v, gr, b1, b2)
+        u = _map(lambda mm, vv: (mm / (1 - b1**t)) / (np.sqrt(vv / (1 - b2**t)) + eps), m, v)
+        y = _map(lambda p, uu: p * (1 - LR * wd) - LR * uu, y, u)  # torch AdamW
+        y = _map(lambda p, dg: p - gamma * LR * dg, y, delta_g)  # p += g lr/K momen_m
+        return y, m, v
+
+    adam = _check_released_code_server(server, *_released_code_rounds(data, clip, step))
+    assert int(adam.count) == R * K
 
 
 # ---- FAFED --------------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def test_fedpac_compared_methods_share_the_setting(preset):
 
 # Baselines that join the CIFAR-100 Dir-0.1 tables of FedPAC (Liu et al.) Table 1 and FedMuon
 # (Liu et al.) Table 2 without being in them.
-JOINING_BASELINES = ["fedyogi", "fedadagrad", "diloco", "muloco", "feddyn", "fednova"]
+JOINING_BASELINES = ["fedyogi", "fedadagrad", "diloco", "muloco", "feddyn", "fednova", "fedadamw"]
 
 
 @pytest.mark.parametrize("preset", ["cifar100_resnet18", "cifar100_vit"])

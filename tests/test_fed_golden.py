@@ -103,6 +103,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "fedcm": ("fedcm", SGD, {}),
     "feddyn": ("feddyn", SGD, {"alpha": 0.1}),
     "fednova": ("fednova", {"name": "sgd", "momentum": 0.5}, {"min_local_steps": 1}),
+    "fedadamw": ("fedadamw", {"name": "adamw"}, {}),
     "fedlada": ("fedlada", {"name": "adamw"}, {}),
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedmuon_bc": ("fedmuon_bc", {"name": "lmo", "ns_steps": 5}, {}),

@@ -331,6 +331,32 @@ def add_control_variate() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def add_global_direction(weight: float) -> optax.GradientTransformationExtraArgs:
+    r"""Adds the server's global direction with a weight, keeping the local direction whole.
+
+    .. math:: u \leftarrow u + w \, g_G
+
+    FedAdamW's local correction (the FedMuon (Liu et al.) authors' released code,
+    junkangLiu0/FedAdamW ``update_FedAdamW``: ``p += gamma lr / K * mean_i(dx_i) / lr`` after
+    each AdamW step, i.e. ``-lr gamma g_G``); :func:`mix_with_global` instead takes a convex
+    combination.
+
+    Returns:
+      A transform whose ``update`` takes the extra argument ``global_direction``.
+    """
+
+    def update_fn(updates, state, params=None, *, global_direction=None, **extra_args):
+        del params, extra_args
+        if global_direction is None:
+            raise ValueError("add_global_direction needs the extra argument `global_direction`.")
+        out = jax.tree.map(
+            lambda u, d: (u + weight * d.astype(u.dtype)).astype(u.dtype), updates, global_direction
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(lambda params: EmptyState(), update_fn)
+
+
 def add_dynamic_regularizer(alpha: float) -> optax.GradientTransformationExtraArgs:
     r"""Adds the gradient of FedDyn's dynamic regularizer to the updates (Acar et al. 2021,
     "Federated Learning Based on Dynamic Regularization", Alg. 1: client ``k`` minimizes

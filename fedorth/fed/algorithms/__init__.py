@@ -25,7 +25,7 @@ from fedorth.fed import local, update
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.algorithms.baselines_adam_biclip import adam_biclip
 from fedorth.fed.algorithms.baselines_fafed import fafed
-from fedorth.fed.algorithms.baselines_fedlada import fedlada
+from fedorth.fed.algorithms.baselines_fedlada import fedadamw, fedlada
 from fedorth.fed.algorithms.baselines_momentum_vr import (
     fedavg_m,
     fedavg_vr,
@@ -82,6 +82,7 @@ ALGORITHMS: dict[str, Callable[..., FedAlgorithm]] = {
     "fedmuon_zg": fedmuon_zg,
     "fedpac": fedpac,
     "fedlada": fedlada,  # baselines of FedMuon (Liu et al.)
+    "fedadamw": fedadamw,
     "fedavg_m": fedavg_m,  # FedMuon (Zhang & Gao)
     "fedavg_vr": fedavg_vr,
     "scaffold_m": scaffold_m,
