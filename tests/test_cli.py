@@ -540,6 +540,9 @@ def test_list_credits_each_algorithm_to_the_paper_its_config_cites():
         block = re.search(rf"\n  {config['algorithm']} +(.+(?:\n {{25}}.+)*)", algorithms)
         assert block, config["algorithm"]
         credit = " ".join(block.group(1).split())
+        if config["server_opt"]:  # FedYogi, DiLoCo, ...: the server optimizer's paper
+            assert f"fed.options.server_opt={config['server_opt']}" in text, config["name"]
+            credit = fed.update.SERVER_OPTIMIZER_PAPERS[config["server_opt"]]
         assert cited.group(1) in credit, (config["name"], cited.group(1), credit)
     fedavgm = fed.get_algorithm("fedavgm", {"name": "sgd"}).paper
     assert fedavgm.startswith("Hsu et al. 2019") and "McMahan" not in fedavgm, fedavgm

@@ -149,6 +149,16 @@ SERVER_OPTIMIZER_KEYS = (
 """The ``fed.options`` keys of :func:`server_optimizer`, which every algorithm takes."""
 
 
+# The paper of each server optimizer, added to the algorithm's ``paper`` by ``get_algorithm``.
+SERVER_OPTIMIZER_PAPERS = {
+    "sgd": "Hsu et al. 2019 (server momentum)",
+    "nesterov": "Douillard et al. 2023 (DiLoCo), Alg. 1 (outer Nesterov)",
+    "adam": "Reddi et al. 2021, Alg. 2 (FedAdam)",
+    "yogi": "Reddi et al. 2021, Alg. 2 (FedYogi)",
+    "adagrad": "Reddi et al. 2021, Alg. 2 (FedAdagrad)",
+}
+
+
 def server_optimizer(server_opt: str, **options) -> optax.GradientTransformation:
     """The server optimizer ``fed.options.server_opt`` names, on the pseudo-gradient.
 

@@ -119,7 +119,8 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     if options.get("server_opt") is not None:
         keys = update.SERVER_OPTIMIZER_KEYS[1:]
         server_options = {k: options.pop(k) for k in keys if k in options}
-        server_tx = update.server_optimizer(options.pop("server_opt"), **server_options)
+        server_opt = options.pop("server_opt")
+        server_tx = update.server_optimizer(server_opt, **server_options)
     options.pop("server_opt", None)
     accepted = _option_keywords(name)
     unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
@@ -140,7 +141,9 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     if server_tx is None:
         return algorithm
     return dataclasses.replace(
-        algorithm, server=dataclasses.replace(algorithm.server, tx=server_tx)
+        algorithm,
+        server=dataclasses.replace(algorithm.server, tx=server_tx),
+        paper=f"{algorithm.paper}; server: {update.SERVER_OPTIMIZER_PAPERS[server_opt]}",
     )
 
 
