@@ -107,6 +107,22 @@ def test_algorithm_switch_drops_the_files_options_and_keeps_typed_ones():
     assert "()" not in message, "an internal function name leaked"
 
 
+def test_algorithm_switch_keeps_the_server_optimizer():
+    """DiLoCo's outer step on another algorithm (MuLoCo's is Local Muon's): switching
+    fed.algorithm keeps fed.options.server_opt and its keys, which every algorithm takes."""
+    module = catalog.load_config_module(catalog.config_dir() / "diloco.py")
+    config = module.get_config()
+    config.lock()
+    config.fed.algorithm = "scaffold"
+    assert validate.drop_foreign_keys(config, {"fed.algorithm": "scaffold"}) == {}
+    assert dict(config.fed.options) == {
+        "server_opt": "nesterov",
+        "server_lr": 0.7,
+        "server_momentum": 0.9,
+    }
+    validate.validate(config)
+
+
 def test_no_switch_drops_nothing():
     config = soap_config()
     assert validate.drop_foreign_keys(config, {"fed.rounds": 3, "optim.b1": 0.9}) == {}
