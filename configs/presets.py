@@ -298,6 +298,38 @@ FEDMUON_LIU_FINETUNE_OPTIM: dict[str, dict[str, Any]] = {
     "adamw": dict(FEDPAC_FINETUNE_OPTIM["adamw"]),
 }
 
+# DiLoCo's outer optimizer (Douillard et al. 2023, Sec. 3: Nesterov momentum 0.9, lr 0.7), the
+# server step of configs/diloco.py and configs/muloco.py.
+DILOCO_OUTER: dict[str, Any] = {"server_opt": "nesterov", "server_lr": 0.7, "server_momentum": 0.9}
+# Reddi et al. 2021's server values for its adaptive optimizers (Sec. 5: betas (0.9, 0.99),
+# tau 1e-3; server lr 0.01), FedAdam's presets' (configs/fedadam.py), FedYogi's and FedAdagrad's.
+REDDI_SERVER: dict[str, Any] = {
+    "server_lr": 0.01,
+    "server_b1": 0.9,
+    "server_b2": 0.99,
+    "server_tau": 1e-3,
+}
+
+
+def reddi_server(server_opt: str) -> dict[str, Any]:
+    """FedAvg's ``fed.options`` with Reddi et al. 2021's server optimizer ``server_opt``
+    (``"yogi"``, ``"adagrad"``) at :data:`REDDI_SERVER` (Adagrad takes no ``server_b2``)."""
+    options = {"server_opt": server_opt, **REDDI_SERVER}
+    if server_opt == "adagrad":
+        del options["server_b2"]
+    return options
+
+
+def reddi_default(config: ml_collections.ConfigDict, server_opt: str) -> None:
+    """The embedded-digits default of FedYogi and FedAdagrad: configs/fedadam.py's (local SGD
+    at lr 0.1, server lr 0.03) with the server optimizer ``server_opt``."""
+    config.fed.algorithm = "fedavg"
+    set_options(config, reddi_server(server_opt))
+    config.fed.options.server_lr = 0.03
+    config.optim.name = "sgd"
+    config.optim.learning_rate = 0.1  # base: 0.05
+
+
 # (dataset, model, num_classes) of FedPAC (Liu et al.)'s vision presets, by preset stem.
 _FEDPAC_VISION = {
     "cifar100_resnet18": ("cifar100", "resnet18", 100),
@@ -649,6 +681,16 @@ def fedpac_presets(
         for size in LLAMA_SIZES:
             out[f"c4_llama{size}"] = _preset(fedpac_c4(size), optim, options)
     return out
+
+
+def cifar100_presets(
+    optim: Mapping[str, Any], options: Mapping[str, Any] | None = None
+) -> dict[str, Preset]:
+    """The CIFAR-100 setting FedPAC (Liu et al.) Table 1 and FedMuon (Liu et al.) Table 2
+    share (100 clients, 10% participation, batch 50, K = 50, 300 rounds, Dir-0.1, cosine):
+    ``cifar100_resnet18`` and ``cifar100_vit``, for a baseline that joins their tables."""
+    every = fedpac_presets(optim, options, c4=False)
+    return {name: every[name] for name in ("cifar100_resnet18", "cifar100_vit")}
 
 
 def fedmuon_liu_presets(

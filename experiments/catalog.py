@@ -270,7 +270,8 @@ def _first_line(obj: Any) -> str:
 
 
 def configs(config_dir: pathlib.Path) -> list[dict[str, Any]]:
-    """One dict per config file: name, algorithm, dataset, description and presets."""
+    """One dict per config file: name, algorithm, optimizer, server optimizer (or None),
+    dataset, description and presets."""
     out = []
     for path in sorted(config_dir.glob("*.py")):
         if path.stem in NOT_CONFIGS:
@@ -288,6 +289,7 @@ def configs(config_dir: pathlib.Path) -> list[dict[str, Any]]:
                 "name": path.stem,
                 "algorithm": config.fed.algorithm,
                 "optimizer": config.optim.name,
+                "server_opt": config.fed.get("options", {}).get("server_opt"),
                 "about": _first_line(module),
                 "presets": presets,
                 "datasets": sorted(datasets),
@@ -375,7 +377,9 @@ def listing(config_dir: pathlib.Path) -> str:
     for c in found:
         lines += _wrapped(
             f"  {c['name']:22s} ",
-            f"fed.algorithm={c['algorithm']} optim.name={c['optimizer']}: {c['about']}",
+            f"fed.algorithm={c['algorithm']} optim.name={c['optimizer']}"
+            + (f" fed.options.server_opt={c['server_opt']}" if c["server_opt"] else "")
+            + f": {c['about']}",
         )
         lines += _wrapped(_INDENT, f"datasets: {', '.join(c['datasets'])}")
         for title, names in preset_groups(c["presets"]).items():

@@ -69,6 +69,14 @@ import numpy as np
 
 # Generic algorithms whose local optimizer is a free choice: their label names it.
 _GENERIC = ("fedavg", "fedavgm", "fedadam", "scaffold", "fedcm", "fedpac")
+# (algorithm, local optimizer, fed.options.server_opt) -> the name its paper gives it
+# (configs/fedyogi.py, fedadagrad.py, diloco.py, muloco.py).
+_SERVER_OPT_NAMES = {
+    ("fedavg", "sgd", "yogi"): "fedyogi",
+    ("fedavg", "sgd", "adagrad"): "fedadagrad",
+    ("fedavg", "adamw", "nesterov"): "diloco",
+    ("fedavg", "muon", "nesterov"): "muloco",
+}
 # Config fields that do not define a run's setting (seeds are aggregated; paths are local; where
 # the outputs are tracked: fedorth.train.trackers.OUTPUT_KEYS, not imported: it loads JAX).
 _IGNORED = ("seed", "data.data_dir", "trackers", "mlflow_uri", "mlflow_experiment")
@@ -414,12 +422,17 @@ def _config_fields(config: dict[str, Any], ignored: Sequence[str] = _IGNORED) ->
 
 
 def algorithm_label(config: dict[str, Any]) -> str:
-    """The algorithm's name; generic ones (FedAvg, FedPAC, ...) with their local optimizer."""
+    """The algorithm's name; generic ones (FedAvg, FedPAC, ...) with their local optimizer; with
+    ``fed.options.server_opt``, the paper's name (FedYogi, DiLoCo, ...) or the server optimizer."""
     algorithm = config["fed"]["algorithm"]
     optimizer = (config.get("optim") or {}).get("name") or "sgd"
+    server_opt = (config["fed"].get("options") or {}).get("server_opt")
+    if server_opt is not None and (algorithm, optimizer, server_opt) in _SERVER_OPT_NAMES:
+        return _SERVER_OPT_NAMES[algorithm, optimizer, server_opt]
+    label = algorithm
     if algorithm in _GENERIC and (algorithm == "fedpac" or optimizer != "sgd"):
-        return f"{algorithm}+{optimizer}"
-    return algorithm
+        label = f"{algorithm}+{optimizer}"
+    return label if server_opt is None else f"{label} ({server_opt} server)"
 
 
 def partition_label(data: dict[str, Any]) -> str:

@@ -278,6 +278,47 @@ def test_fedlada_matches_numpy():
     assert int(adam.count) == R * K
 
 
+def _moments(m, v, gr, b1, b2):
+    m = _map(lambda a, b: b1 * a + (1 - b1) * b, m, gr)
+    return m, _map(lambda a, b: b2 * a + (1 - b2) * b * b, v, gr)
+
+
+def _released_code_rounds(data, clip, step):
+    """The round loop of the released main_FedAdamW.py (FedLADA and FedAdamW): each sampled
+    client starts with m = 0 and v = v-bar, takes K steps ``step(y, m, v, g, t, delta_g) ->
+    (y, m, v)`` on its (optionally clipped) gradients, t = r K + k + 1; the server averages x
+    and v, and delta_g = -mean(dx) / (K lr). Returns x, v-bar, delta_g, the clipped count."""
+    x, vbar, delta_g, clipped = _zeros(), _zeros(), _zeros(), 0
+    for r in range(R):
+        deltas, vs = [], []
+        for i in _ids(r):
+            y, m, v = dict(x), _zeros(), dict(vbar)
+            for k in range(K):
+                gr = _grad(data, i, y)
+                n = _norm(gr)
+                if clip is not None and n > clip:
+                    clipped += 1
+                    gr = _map(lambda a: a * clip / n, gr)
+                y, m, v = step(y, m, v, gr, r * K + k + 1, delta_g)
+            deltas.append(_map(np.subtract, y, x))
+            vs.append(v)
+        mean_delta = _mean(deltas)
+        delta_g = _map(lambda d: -d / (K * LR), mean_delta)
+        x = _map(np.add, x, mean_delta)
+        vbar = _mean(vs)
+    assert clip is None or clipped > 0, "the clipping must bind at least once"
+    return x, vbar, delta_g
+
+
+def _check_released_code_server(server, x, vbar, delta_g):
+    _close(server.params, x, "x")
+    _close(server.global_direction, delta_g, "Delta")
+    is_adam = lambda n: isinstance(n, optax.ScaleByAdamState)  # noqa: E731
+    (adam,) = [n for n in jax.tree.leaves(server.opt_state, is_leaf=is_adam) if is_adam(n)]
+    _close(adam.nu, vbar, "v-bar")
+    return adam
+
+
 def test_fedlada_defaults_match_the_released_code():
     """The defaults follow the FedMuon (Liu et al.) authors' released FedLADA (junkangLiu0/
     FedAdamW main_FedAdamW.py): torch Adam at lr (1 - 0.9) with step 10^6 (no bias correction),
@@ -290,42 +331,44 @@ def test_fedlada_defaults_match_the_released_code():
     optim = {"name": "adamw", "b1": b1, "b2": b2, "eps": eps, "weight_decay": wd}
     server = _run(fed.get_algorithm("fedlada", optim, clip_norm=clip), data)
 
-    x, vbar, delta_g, clipped = _zeros(), _zeros(), _zeros(), 0
-    for r in range(R):
-        deltas, vs = [], []
-        for i in _ids(r):
-            y, m, v = dict(x), _zeros(), dict(vbar)
-            for _ in range(K):
-                gr = _grad(data, i, y)
-                n = _norm(gr)
-                if n > clip:
-                    clipped += 1
-                    gr = _map(lambda a: a * clip / n, gr)
-                gr = _map(lambda a, p: a + wd * p, gr, y)  # coupled weight decay
-                m = _map(lambda a, b: b1 * a + (1 - b1) * b, m, gr)
-                v = _map(lambda a, b: b2 * a + (1 - b2) * b * b, v, gr)
-                y = _map(
-                    lambda p, mm, vv, dg: (
-                        p - LR * (alpha * mm / (np.sqrt(vv) + eps) + (1 - alpha) * dg)
-                    ),
-                    y,
-                    m,
-                    v,
-                    delta_g,
-                )
-            deltas.append(_map(np.subtract, y, x))
-            vs.append(v)
-        mean_delta = _mean(deltas)
-        delta_g = _map(lambda d: -d / (K * LR), mean_delta)
-        x = _map(np.add, x, mean_delta)
-        vbar = _mean(vs)
+    def step(y, m, v, gr, t, delta_g):
+        del t  # step 10^6: no bias correction
+        gr = _map(lambda a, p: a + wd * p, gr, y)  # coupled weight decay
+        m, v = _moments(m, v, gr, b1, b2)
+        y = _map(
+            lambda p, mm, vv, dg: p - LR * (alpha * mm / (np.sqrt(vv) + eps) + (1 - alpha) * dg),
+            y,
+            m,
+            v,
+            delta_g,
+        )
+        return y, m, v
 
-    assert clipped > 0, "the clipping must bind at least once"
-    _close(server.params, x, "x")
-    _close(server.global_direction, delta_g, "Delta")
-    is_adam = lambda n: isinstance(n, optax.ScaleByAdamState)  # noqa: E731
-    (adam,) = [n for n in jax.tree.leaves(server.opt_state, is_leaf=is_adam) if is_adam(n)]
-    _close(adam.nu, vbar, "v-bar")
+    _check_released_code_server(server, *_released_code_rounds(data, clip, step))
+
+
+@pytest.mark.parametrize("clip", [None, 2.0])
+def test_fedadamw_defaults_match_the_released_code(clip):
+    """FedAdamW as the authors' released code runs it (junkangLiu0/FedAdamW main_FedAdamW.py,
+    update_FedAdamW): torch AdamW at the full lr with decoupled weight decay, m restarted, v
+    from the server's mean, bias correction at the global step t = r K + k + 1 (its step
+    counter grows by K a round), then p += 0.5 lr/K * mean(dx)/lr; the server averages x and v.
+    Unlike FedLADA's code (test above): AdamW's step is not scaled by (1 - gamma), and it is
+    bias-corrected. With clip, the optional clip_grad_norm_ binds."""
+    b1, b2, eps, wd, gamma = 0.9, 0.99, 1e-8, 0.01, 0.5
+    data = fp.quadratic_clients(N, seed=19)
+    optim = {"name": "adamw", "b1": b1, "b2": b2, "eps": eps, "weight_decay": wd}
+    server = _run(fed.get_algorithm("fedadamw", optim, clip_norm=clip), data)
+
+    def step(y, m, v, gr, t, delta_g):
+        m, v = _moments(m, v, gr, b1, b2)
+        u = _map(lambda mm, vv: (mm / (1 - b1**t)) / (np.sqrt(vv / (1 - b2**t)) + eps), m, v)
+        y = _map(lambda p, uu: p * (1 - LR * wd) - LR * uu, y, u)  # torch AdamW
+        y = _map(lambda p, dg: p - gamma * LR * dg, y, delta_g)  # p += g lr/K momen_m
+        return y, m, v
+
+    adam = _check_released_code_server(server, *_released_code_rounds(data, clip, step))
+    assert int(adam.count) == R * K
 
 
 # ---- FAFED --------------------------------------------------------------------------------
@@ -456,6 +499,157 @@ def test_fedadam_matches_reddi_alg2_without_bias_correction():
     )
     step, step_c = _map(np.subtract, x, x_prev), _map(np.subtract, corrected, x_prev)
     assert _norm(_map(np.subtract, step, step_c)) > 0.1 * _norm(step)
+
+
+def _local_momentum_sgd_deltas(data, x, r, wd, mu=0.5):
+    """The sampled clients' ``x_i^K - x^r`` of round ``r``: local momentum SGD, reset each round."""
+    deltas = []
+    for i in _ids(r):
+        y, mom = dict(x), _zeros()
+        for _ in range(K):
+            gr = _grad(data, i, y)
+            mom = _map(lambda a, g: mu * a + g, mom, gr)
+            y = _map(lambda p, u: p - LR * (u + wd * p), y, mom)
+        deltas.append(_map(np.subtract, y, x))
+    return _mean(deltas)
+
+
+@pytest.mark.parametrize("server_opt", ["yogi", "adagrad"])
+def test_fedyogi_and_fedadagrad_match_reddi_alg2(server_opt):
+    """FedYogi and FedAdagrad (Reddi et al. 2021, Alg. 2) are FedAvg with
+    ``fed.options.server_opt``: ``m <- b1 m + (1 - b1) Delta``, ``v <- v + Delta^2`` (Adagrad)
+    or ``v <- v - (1 - b2) Delta^2 sign(v - Delta^2)`` (Yogi), ``x <- x + eta m / (sqrt(v) +
+    tau)``, no bias correction, ``v`` from 0 as FedAdam's."""
+    slr, sb1, sb2, tau, wd = 0.05, 0.9, 0.9, 1e-3, 0.01
+    data = fp.quadratic_clients(N, seed=17)
+    server_options = {"server_lr": slr, "server_b1": sb1, "server_tau": tau}
+    if server_opt == "yogi":
+        server_options["server_b2"] = sb2
+    optim = {"name": "sgd", "momentum": 0.5, "weight_decay": wd}
+    server = _run(fed.get_algorithm("fedavg", optim, server_opt=server_opt, **server_options), data)
+
+    x, m, v = _zeros(), _zeros(), _zeros()
+    signs = set()
+    for r in range(R):
+        delta = _local_momentum_sgd_deltas(data, x, r, wd)
+        m = _map(lambda a, d: sb1 * a + (1 - sb1) * d, m, delta)
+        if server_opt == "adagrad":
+            v = _map(lambda a, d: a + d * d, v, delta)
+        else:
+            signs |= {s for k in v for s in np.sign(v[k] - delta[k] ** 2).ravel()}
+            v = _map(lambda a, d: a - (1 - sb2) * d * d * np.sign(a - d * d), v, delta)
+        x = _map(lambda p, mm, vv: p + slr * mm / (np.sqrt(vv) + tau), x, m, v)
+    _close(server.params, x, "x")
+    if server_opt == "yogi":  # both branches of Yogi's sign: it is not Adam's nor Adagrad's
+        assert {-1.0, 1.0} <= signs, signs
+
+
+def test_server_opt_adam_is_fedadam():
+    """``server_opt="adam"`` on FedAvg is FedAdam's server, bit for bit."""
+    data = fp.quadratic_clients(N, seed=3)
+    optim = {"name": "sgd", "momentum": 0.5}
+    want = _run(fed.get_algorithm("fedadam", optim, server_lr=0.05), data).params
+    got = _run(fed.get_algorithm("fedavg", optim, server_opt="adam", server_lr=0.05), data).params
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_nesterov_server_matches_diloco_alg1():
+    """DiLoCo (Douillard et al. 2023, Alg. 1): the outer gradient ``Delta = x - mean_i x_i``
+    goes through Nesterov momentum SGD (PyTorch's: ``v <- mu v + Delta``, ``x <- x - lr (Delta
+    + mu v)``), here with FedAvg's local momentum SGD as the inner optimizer."""
+    slr, mu, wd = 0.7, 0.9, 0.01
+    data = fp.quadratic_clients(N, seed=11)
+    optim = {"name": "sgd", "momentum": 0.5, "weight_decay": wd}
+    alg = fed.get_algorithm(
+        "fedavg", optim, server_opt="nesterov", server_lr=slr, server_momentum=mu
+    )
+    server = _run(alg, data)
+
+    x, buf = _zeros(), _zeros()
+    for r in range(R):
+        outer = _map(np.negative, _local_momentum_sgd_deltas(data, x, r, wd))
+        buf = _map(lambda b, g: mu * b + g, buf, outer)
+        x = _map(lambda p, g, b: p - slr * (g + mu * b), x, outer, buf)
+    _close(server.params, x, "x")
+
+
+def test_every_algorithm_takes_a_server_optimizer():
+    """``fed.options.server_opt`` replaces any registered algorithm's server optimizer (MuLoCo:
+    Muon inside, Nesterov outside), keeping its rule and combine; its keys are refused where
+    they do not apply, in one line."""
+    for name in fed.ALGORITHMS:
+        for optim in ({"name": o} for o in ("sgd", "adamw", "muon", "soap", "sophia", "lmo")):
+            try:  # the local optimizer the algorithm runs (local_soap runs SOAP only)
+                base = fed.get_algorithm(name, optim)
+                break
+            except ValueError:
+                continue
+        alg = fed.get_algorithm(name, optim, server_opt="nesterov", server_lr=0.5)
+        assert alg.server.rule == base.server.rule, name
+        assert (alg.server.combine is None) == (base.server.combine is None), name
+        assert alg.server.tx is not base.server.tx, name
+    with pytest.raises(
+        ValueError,
+        match=r"fed.options.server_b2 does not apply to fed.options.server_opt='adagrad'; its keys",
+    ):
+        fed.get_algorithm("fedavg", {"name": "sgd"}, server_opt="adagrad", server_b2=0.9)
+    with pytest.raises(ValueError, match=r"fed.options.server_opt='lamb'; valid: \('sgd'"):
+        fed.get_algorithm("fedmuon", {"name": "muon"}, server_opt="lamb")
+
+
+# ---- FedNova ------------------------------------------------------------------------------
+
+
+def _fednova_steps(r, i, min_steps):
+    """Client ``i``'s ``tau_i`` in round ``r``: drawn with its step-0 optimizer key (the
+    engine's keys: round ``fold_in(key(0), r)``, client ``fold_in(., i)``, step ``fold_in(.,
+    0)`` split into batch, model and optimizer keys)."""
+    from fedorth.optim.fednova import draw_steps
+
+    client_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), r), i)
+    opt_key = jax.random.split(jax.random.fold_in(client_key, 0), 3)[2]
+    return int(draw_steps(opt_key, min_steps, K))
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.6])
+def test_fednova_matches_normalized_averaging_with_heterogeneous_steps(rho):
+    """FedNova (Wang et al. 2020, Eq. (3)-(4)) with client-dependent tau_i: client i runs tau_i
+    heavy-ball steps, ||a_i||_1 = sum_{j<=tau_i} (1 - rho^j)/(1 - rho), and
+    x <- x + tau_eff mean_i (x_i - x)/||a_i||_1, tau_eff = mean_i ||a_i||_1 (p_i = 1/S)."""
+    data = fp.quadratic_clients(N, seed=21)
+    optim = {"name": "sgd", "momentum": rho}
+    server = _run(fed.get_algorithm("fednova", optim, min_local_steps=1), data)
+
+    x, taus = _zeros(), set()
+    for r in range(R):
+        normalized, norms = [], []
+        for i in _ids(r):
+            tau = _fednova_steps(r, int(i), 1)
+            taus.add(tau)
+            y, mom = dict(x), _zeros()
+            for _ in range(tau):
+                mom = _map(lambda a, g: rho * a + g, mom, _grad(data, i, y))
+                y = _map(lambda p, u: p - LR * u, y, mom)
+            a_norm = sum((1 - rho**j) / (1 - rho) for j in range(1, tau + 1))
+            norms.append(a_norm)
+            normalized.append(_map(lambda p, q: (p - q) / a_norm, y, x))
+        tau_eff = np.mean(norms)
+        x = _map(lambda p, d: p + tau_eff * d, x, _mean(normalized))
+    assert len(taus) > 1, taus  # the clients' step counts differ: not FedAvg
+    _close(server.params, x, "x")
+    fedavg = _run(fed.get_algorithm("fedavg", optim), data).params
+    assert _norm(_map(np.subtract, server.params, fedavg)) > 1e-3
+
+
+def test_fednova_with_equal_steps_is_fedavg():
+    """Every client running the same K steps of the same momentum SGD: all ||a_i||_1 equal
+    tau_eff, and FedNova's step is FedAvg's mean update (Wang et al. 2020, Sec. 4)."""
+    data = fp.quadratic_clients(N, seed=22)
+    optim = {"name": "sgd", "momentum": 0.6}
+    nova = _run(fed.get_algorithm("fednova", optim), data).params
+    avg = _run(fed.get_algorithm("fedavg", optim), data).params
+    _close(nova, avg, "x")
 
 
 # ---- Fed-Sophia / FedPM -------------------------------------------------------------------

@@ -107,6 +107,22 @@ def test_algorithm_switch_drops_the_files_options_and_keeps_typed_ones():
     assert "()" not in message, "an internal function name leaked"
 
 
+def test_algorithm_switch_keeps_the_server_optimizer():
+    """DiLoCo's outer step on another algorithm (MuLoCo's is Local Muon's): switching
+    fed.algorithm keeps fed.options.server_opt and its keys, which every algorithm takes."""
+    module = catalog.load_config_module(catalog.config_dir() / "diloco.py")
+    config = module.get_config()
+    config.lock()
+    config.fed.algorithm = "scaffold"
+    assert validate.drop_foreign_keys(config, {"fed.algorithm": "scaffold"}) == {}
+    assert dict(config.fed.options) == {
+        "server_opt": "nesterov",
+        "server_lr": 0.7,
+        "server_momentum": 0.9,
+    }
+    validate.validate(config)
+
+
 def test_no_switch_drops_nothing():
     config = soap_config()
     assert validate.drop_foreign_keys(config, {"fed.rounds": 3, "optim.b1": 0.9}) == {}
@@ -540,6 +556,9 @@ def test_list_credits_each_algorithm_to_the_paper_its_config_cites():
         block = re.search(rf"\n  {config['algorithm']} +(.+(?:\n {{25}}.+)*)", algorithms)
         assert block, config["algorithm"]
         credit = " ".join(block.group(1).split())
+        if config["server_opt"]:  # FedYogi, DiLoCo, ...: the server optimizer's paper
+            assert f"fed.options.server_opt={config['server_opt']}" in text, config["name"]
+            credit = fed.update.SERVER_OPTIMIZER_PAPERS[config["server_opt"]]
         assert cited.group(1) in credit, (config["name"], cited.group(1), credit)
     fedavgm = fed.get_algorithm("fedavgm", {"name": "sgd"}).paper
     assert fedavgm.startswith("Hsu et al. 2019") and "McMahan" not in fedavgm, fedavgm

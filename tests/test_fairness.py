@@ -222,6 +222,21 @@ def test_fedpac_compared_methods_share_the_setting(preset):
     assert_settings_shared(FEDPAC_COMPARED, preset)
 
 
+# Baselines that join the CIFAR-100 Dir-0.1 tables of FedPAC (Liu et al.) Table 1 and FedMuon
+# (Liu et al.) Table 2 without being in them.
+JOINING_BASELINES = ["fedyogi", "fedadagrad", "diloco", "muloco", "feddyn", "fednova", "fedadamw"]
+
+
+@pytest.mark.parametrize("preset", ["cifar100_resnet18", "cifar100_vit"])
+def test_joining_baselines_share_the_cifar100_setting(preset):
+    """100 clients, 10% participation, Dir-0.1, K = 50: the setting of the methods they join."""
+    assert all(preset in presets_of(m) for m in JOINING_BASELINES)
+    assert_settings_shared(["fedavg", *JOINING_BASELINES], preset)
+    config = load("fedyogi").get_config(preset)
+    federation = (config.data.num_clients, config.fed.clients_per_round, config.fed.local_steps)
+    assert federation == (100, 10, 50) and config.data.alpha == 0.1
+
+
 @pytest.mark.parametrize("preset", FEDPAC_SETTINGS)
 def test_fedpac_muon_methods_run_alg6_alg7_alike(preset):
     """Local Muon (Alg. 6) and FedPAC_Muon (Alg. 7; light: Table 11) share one Muon.

@@ -101,6 +101,9 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "fedavg_vr": ("fedavg_vr", SGD, {}),
     "fedavgm": ("fedavgm", SGD, {}),
     "fedcm": ("fedcm", SGD, {}),
+    "feddyn": ("feddyn", SGD, {"alpha": 0.1}),
+    "fednova": ("fednova", {"name": "sgd", "momentum": 0.5}, {"min_local_steps": 1}),
+    "fedadamw": ("fedadamw", {"name": "adamw"}, {}),
     "fedlada": ("fedlada", {"name": "adamw"}, {}),
     "fedmuon": ("fedmuon", {"name": "muon"}, {}),
     "fedmuon_bc": ("fedmuon_bc", {"name": "lmo", "ns_steps": 5}, {}),
@@ -154,6 +157,7 @@ EVERY_STRATEGY = (
     "f_sagda",
     "fedmuon_zg",
     "fedpac[state,server_lr]",
+    "feddyn",
 )
 
 

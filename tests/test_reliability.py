@@ -214,7 +214,29 @@ BAD_CONFIGS = [
     (
         {"fed.options.gamma": 0.1},
         "fed.options has unknown keys ['gamma']; valid keys: ['client_state', 'server_lr', "
-        "'server_momentum', 'server_rule'].",
+        "'server_momentum', 'server_opt', 'server_rule'].",
+    ),
+    (
+        {"fed.options.server_opt": "lamb"},
+        "fed.options.server_opt='lamb'; valid: ('sgd', 'nesterov', 'adam', 'yogi', 'adagrad').",
+    ),
+    (
+        {"fed.algorithm": "feddyn", "fed.options.alpha": 0.0},
+        "fed.options.alpha=0.0 must be > 0 (FedDyn divides by it).",
+    ),
+    (
+        {"fed.algorithm": "fednova", "optim.name": "adamw"},
+        "fednova normalizes SGD's updates (heavy-ball momentum); got optim.name='adamw' (use "
+        "optim.name='sgd').",
+    ),
+    (
+        {"fed.algorithm": "fedadamw"},
+        "fedadamw runs local AdamW: set optim.name='adamw', got 'sgd'.",
+    ),
+    (
+        {"fed.options.server_opt": "adagrad", "fed.options.server_b2": 0.9},
+        "fed.options.server_b2 does not apply to fed.options.server_opt='adagrad'; its keys: "
+        "server_lr, server_b1, server_tau.",
     ),
     (
         {"fed.algorithm": "fedmuon_zg", "optim.name": "muon"},

@@ -257,3 +257,23 @@ def test_duplicate_seed_is_one_run_with_a_warning(runs, tmp_path, capsys):
     assert (mean, std) == pytest.approx((acc.mean(), acc.std(ddof=1)))
     err = capsys.readouterr().err
     assert "warning: fedavg: 2 runs have seed 42" in err and str(copy) in err, err
+
+
+@pytest.mark.parametrize(
+    "algorithm,optimizer,server_opt,label",
+    [
+        ("fedavg", "sgd", None, "fedavg"),
+        ("fedavg", "sgd", "yogi", "fedyogi"),
+        ("fedavg", "sgd", "adagrad", "fedadagrad"),
+        ("fedavg", "adamw", "nesterov", "diloco"),
+        ("fedavg", "muon", "nesterov", "muloco"),
+        ("fedmuon", "muon", "nesterov", "fedmuon (nesterov server)"),
+        ("fedavg", "adamw", "yogi", "fedavg+adamw (yogi server)"),
+    ],
+)
+def test_a_server_optimizer_gets_its_own_row_label(algorithm, optimizer, server_opt, label):
+    """A run whose fed.options.server_opt replaces the server optimizer is not labelled as the
+    algorithm without it: FedYogi and DiLoCo rows are not FedAvg's."""
+    options = {} if server_opt is None else {"server_opt": server_opt}
+    config = {"fed": {"algorithm": algorithm, "options": options}, "optim": {"name": optimizer}}
+    assert report.algorithm_label(config) == label

@@ -193,6 +193,24 @@ def test_feddyn_outside_the_package_matches_its_box(strategy, chunk_size):
         np.testing.assert_allclose(server.clients.control["w"][i], grads[i][0], **tol)
 
 
+@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+def test_shipped_feddyn_matches_its_box(strategy):
+    """fedorth's own ``feddyn`` (``fed.get_algorithm("feddyn")``) against the same float64
+    box: parameters, ``h`` and every client's ``grad L_k`` (absent clients keep theirs)."""
+    data = fp.quadratic_clients(N, seed=4)
+    alpha = 0.3
+    server = _run(fed.get_algorithm("feddyn", {"name": "sgd"}, alpha=alpha), data, strategy, None)
+    w, b, h, grads = np_feddyn(data, alpha, R)
+    tol = dict(rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(server.params["w"], w, **tol)
+    np.testing.assert_allclose(server.params["b"], b, **tol)
+    np.testing.assert_allclose(server.control["w"], h[0], **tol)
+    np.testing.assert_allclose(server.control["b"], h[1], **tol)
+    for i in range(N):
+        np.testing.assert_allclose(server.clients.control["w"][i], grads[i][0], **tol)
+        np.testing.assert_allclose(server.clients.control["b"][i], grads[i][1], **tol)
+
+
 # --------------------------------------------------------------------------- the context
 
 

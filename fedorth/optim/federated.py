@@ -363,6 +363,63 @@ def add_proximal_term(mu: float) -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def add_global_direction(weight: float) -> optax.GradientTransformationExtraArgs:
+    r"""Adds the server's global direction with a weight, keeping the local direction whole.
+
+    .. math:: u \leftarrow u + w \, g_G
+
+    FedAdamW's local correction (the FedMuon (Liu et al.) authors' released code,
+    junkangLiu0/FedAdamW ``update_FedAdamW``: ``p += gamma lr / K * mean_i(dx_i) / lr`` after
+    each AdamW step, i.e. ``-lr gamma g_G``); :func:`mix_with_global` instead takes a convex
+    combination.
+
+    Returns:
+      A transform whose ``update`` takes the extra argument ``global_direction``.
+    """
+
+    def update_fn(updates, state, params=None, *, global_direction=None, **extra_args):
+        del params, extra_args
+        if global_direction is None:
+            raise ValueError("add_global_direction needs the extra argument `global_direction`.")
+        out = jax.tree.map(
+            lambda u, d: (u + weight * d.astype(u.dtype)).astype(u.dtype), updates, global_direction
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(lambda params: EmptyState(), update_fn)
+
+
+def add_dynamic_regularizer(alpha: float) -> optax.GradientTransformationExtraArgs:
+    r"""Adds the gradient of FedDyn's dynamic regularizer to the updates (Acar et al. 2021,
+    "Federated Learning Based on Dynamic Regularization", Alg. 1: client ``k`` minimizes
+    ``L_k(w) - <grad L_k(w_k^{t-1}), w> + alpha/2 ||w - w^{t-1}||^2``).
+
+    .. math:: u \leftarrow u - g_k + \alpha (w - w^{t-1})
+
+    Returns:
+      A transform whose ``update`` takes the extra arguments ``round_context`` (its ``params``:
+      the round's ``w^{t-1}``) and ``client_control`` (the client's ``g_k = grad L_k(w_k^{t-1})``,
+      kept as its control variate).
+    """
+
+    def update_fn(updates, state, params=None, *, round_context=None, client_control=None, **_):
+        if round_context is None or client_control is None or params is None:
+            raise ValueError(
+                "add_dynamic_regularizer needs the parameters and the extra arguments "
+                "`round_context` and `client_control`."
+            )
+        out = jax.tree.map(
+            lambda u, w, w_t, g: (u + (alpha * (w - w_t) - g).astype(u.dtype)).astype(u.dtype),
+            updates,
+            params,
+            round_context.params,
+            client_control,
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(lambda params: EmptyState(), update_fn)
+
+
 def scale_by_round_learning_rate(flip_sign: bool = True) -> optax.GradientTransformationExtraArgs:
     r"""Scales by the round's learning rate, given by the engine as the extra arg ``learning_rate``.
 

@@ -269,6 +269,12 @@ def scale_by_adam_uncorrected(
         raise ValueError(f"scale_by_adam_uncorrected: b1={b1}, b2={b2} must lie in [0, 1).")
     if not eps > 0:
         raise ValueError(f"scale_by_adam_uncorrected: eps={eps} must be > 0.")
+    return _uncorrected_moments(lambda v, g: b2 * v + (1.0 - b2) * g * g, b1, eps)
+
+
+def _uncorrected_moments(second_moment, b1: float, eps: float) -> optax.GradientTransformation:
+    """``m / (sqrt(v) + eps)`` with ``m <- b1 m + (1 - b1) g``, ``v <- second_moment(v, g)``,
+    ``m = v = 0`` at ``init``, no bias correction; the state an ``optax.ScaleByAdamState``."""
 
     def init_fn(params):
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
@@ -277,10 +283,53 @@ def scale_by_adam_uncorrected(
     def update_fn(updates, state, params=None):
         del params
         mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, updates)
+        nu = jax.tree.map(second_moment, state.nu, updates)
         out = jax.tree.map(
             lambda m, v, g: (m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates
         )
         return out, optax.ScaleByAdamState(count=optax.safe_increment(state.count), mu=mu, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_reddi_adaptive(
+    second_moment: str, b1: float = 0.9, b2: float = 0.99, eps: float = 1e-3
+) -> optax.GradientTransformation:
+    r"""The server direction of FedAdagrad and FedYogi (Reddi et al. 2021, "Adaptive Federated
+    Optimization", Alg. 2), without bias correction: ``m / (sqrt(v) + eps)`` with
+
+    .. math::
+        m \leftarrow b_1 m + (1 - b_1) g, \quad
+        v \leftarrow v + g^2 \ \text{(Adagrad)}, \quad
+        v \leftarrow v - (1 - b_2) g^2 \operatorname{sign}(v - g^2) \ \text{(Yogi)}
+
+    Alg. 2 writes the first moment ``m`` for all three server optimizers and ``Delta`` where
+    fedorth has the pseudo-gradient ``g = -Delta``; ``m`` changes sign with ``g`` and ``v``
+    does not, so ``x <- x - lr m / (sqrt(v) + eps)`` here is Alg. 2's ``x <- x + lr m_Delta /
+    (sqrt(v) + tau)``. Alg. 2 initializes ``v_{-1} >= tau^2``; ``v = 0`` here, as in
+    :func:`scale_by_adam_uncorrected` (FedAdam) and Flower's strategies: Yogi's first ``v`` is
+    then ``(1 - b2) g^2`` (``sign(0 - g^2) = -1``), Adam's. ``optax.scale_by_yogi`` corrects the
+    bias and starts ``m`` and ``v`` at 1e-6, so it is not Alg. 2's.
+
+    Args:
+      second_moment: ``"adagrad"`` or ``"yogi"`` (Adam's is :func:`scale_by_adam_uncorrected`).
+      b1: decay of the first moment, in [0, 1).
+      b2: Yogi's decay of the second moment, in [0, 1) (Adagrad has none).
+      eps: added to ``sqrt(v)``, > 0 (Alg. 2's ``tau``).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is an ``optax.ScaleByAdamState``.
+    """
+    rules = {
+        "adagrad": lambda v, g: v + g * g,
+        "yogi": lambda v, g: v - (1.0 - b2) * (g * g) * jnp.sign(v - g * g),
+    }
+    if second_moment not in rules:
+        raise ValueError(
+            f"scale_by_reddi_adaptive: second_moment={second_moment!r}; valid: {tuple(rules)}."
+        )
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"scale_by_reddi_adaptive: b1={b1}, b2={b2} must lie in [0, 1).")
+    if not eps > 0:
+        raise ValueError(f"scale_by_reddi_adaptive: eps={eps} must be > 0.")
+    return _uncorrected_moments(rules[second_moment], b1, eps)

@@ -300,7 +300,12 @@ def _check_builds(c: _Checker, config) -> None:
     """Builds the optimizer and algorithm (Optax closures, nothing compiled) to run their checks."""
     name = config.fed.algorithm
     options = _as_dict(config.fed.get("options"))
-    c.keywords("fed.options", options, fed.ALGORITHMS[name], skip=("optim", "name"))
+    accepted = fed.algorithms.option_keywords(name)
+    unknown = []
+    if accepted is not None:  # the server optimizer's keys (server_opt) are every algorithm's
+        unknown = sorted(set(options) - {*accepted, *fed.update.SERVER_OPTIMIZER_KEYS})
+    if unknown:
+        c.fail(f"fed.options has unknown keys {unknown}; valid keys: {accepted}.")
     if c.errors:
         return
     optim = _as_dict(config.optim)
@@ -474,6 +479,8 @@ def drop_foreign_keys(config, overrides: Mapping[str, Any]) -> dict[str, list[st
         if name in fed.ALGORITHMS:
             accepted = fed.algorithms.option_keywords(name)
             if accepted is not None:
+                if config.fed.options.get("server_opt") is not None:
+                    accepted = [*accepted, *fed.update.SERVER_OPTIMIZER_KEYS]
                 out["fed.algorithm"] = _drop(config, "fed.options", set(accepted), overrides)
     return {k: v for k, v in out.items() if v}
 

@@ -1,0 +1,26 @@
+r"""FedYogi (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2): local SGD; the
+server runs Yogi on the pseudo-gradient ``-Delta``: FedAvg with ``fed.options.server_opt="yogi"``.
+
+    python -m experiments.main --config=configs/fedyogi.py --workdir=runs/fedyogi
+    python -m experiments.main --config=configs/fedyogi.py:cifar100_resnet18 --workdir=...
+
+Alg. 2's Yogi: ``m <- b1 m + (1 - b1) Delta``, ``v <- v - (1 - b2) Delta^2 sign(v - Delta^2)``,
+``x <- x + eta m / (sqrt(v) + tau)``, without bias correction and with ``v`` from 0, as
+fedorth's FedAdam (``fedorth.optim.momentum_vr.scale_by_reddi_adaptive``).
+
+Presets: the CIFAR-100 setting of FedPAC (Liu et al.) Table 1 and FedMuon (Liu et al.) Table 2
+(``cifar100_resnet18``, ``cifar100_vit``: 100 clients, 10% participation, Dir-0.1, K = 50),
+with FedAvg's local hyperparameters there (FedPAC Table 8/10 SGD row: lr 0.1, weight decay
+0.001) and FedAdam's server values (server lr 0.01, betas (0.9, 0.99), tau 1e-3; neither paper
+runs FedYogi, so none is tuned for it).
+"""
+
+from configs import base, presets
+
+PRESETS = presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("yogi"))
+
+
+def get_config(arg: str | None = None):
+    config = base.get_base_config()
+    presets.reddi_default(config, "yogi")  # configs/fedadam.py's default, Alg. 2's Yogi
+    return presets.select(config, arg, PRESETS, "fedyogi")
