@@ -27,6 +27,8 @@ import tempfile
 import time
 from unittest import mock
 
+from experiments.bench.workloads import WORKLOADS
+
 SEEDS = (42, 43, 44, 45)
 
 
@@ -99,7 +101,6 @@ def _workload_config(name: str, dtype: str):
     """configs/fedavg.py's CIFAR-100 ResNet-18 preset (S = 10, K = 50, B = 50), or for a small
     workload its model on random inputs at S = 10, K = 10, B = 50."""
     from configs import fedavg
-    from experiments.bench.workloads import WORKLOADS
 
     workload = WORKLOADS[name]
     config = fedavg.get_config("cifar100_resnet18")
