@@ -117,12 +117,12 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     """Builds the registered algorithm ``name`` with local optimizer config ``optim``."""
     if name not in ALGORITHMS:
         raise ValueError(f"fed.algorithm={name!r} is unknown; valid: {sorted(ALGORITHMS)}.")
-    server_tx = None
+    outer_tx = None
     if options.get("server_opt") is not None:
         keys = update.SERVER_OPTIMIZER_KEYS[1:]
         server_options = {k: options.pop(k) for k in keys if k in options}
         server_opt = options.pop("server_opt")
-        server_tx = update.server_optimizer(server_opt, **server_options)
+        outer_tx = update.server_optimizer(server_opt, **server_options)
     options.pop("server_opt", None)
     accepted = _option_keywords(name)
     unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
@@ -140,11 +140,11 @@ def get_algorithm(name: str, optim: Mapping[str, Any], **options) -> FedAlgorith
     # a contradicting one instead of ignoring optim["learning_rate"].
     schedule = {k: optim[k] for k in local.SCHEDULE_KEYS if k in optim}
     algorithm = dataclasses.replace(algorithm, optim_schedule=schedule or None)
-    if server_tx is None:
+    if outer_tx is None:
         return algorithm
     return dataclasses.replace(
         algorithm,
-        server=dataclasses.replace(algorithm.server, tx=server_tx),
+        server=dataclasses.replace(algorithm.server, tx=outer_tx),
         paper=f"{algorithm.paper}; server: {update.SERVER_OPTIMIZER_PAPERS[server_opt]}",
     )
 
