@@ -468,8 +468,8 @@ def _run_locked(
     )
     # Each replica is a run of the trackers, under the sweep's parent run (MLflow).
     parent = trackers_lib.make_parent(config, workdir, folders[0].parent)
-    if parent is not None:
-        trackers_lib.Composite([parent]).start(config.to_dict(), [])
+    sweep_run = trackers_lib.Composite([parent] if parent is not None else [])
+    sweep_run.start(config.to_dict(), [])
     writers = []
     for folder, values in zip(folders, replicas, strict=True):
         replica_config = grid.replica_config(values)
@@ -493,8 +493,7 @@ def _run_locked(
     finally:
         for writer in writers:
             writer.close()
-        if parent is not None:
-            trackers_lib.Composite([parent]).close(finished)
+        sweep_run.close(finished)
         checkpointer.close()
     sweep.summary(rows)
     return rows

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import pathlib
+import time
 import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -400,8 +401,6 @@ class MlflowRun(Tracker):
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 
