@@ -14,7 +14,7 @@ optimizers, each with its paper.
 ``--config.model.name``, ``--config.optim.name`` and ``--config.fed.algorithm`` switch the
 model, optimizer and algorithm: the config file's keys the new choice does not take are dropped
 with a note; keys typed on the command line are kept and checked; a new optimizer gets its own
-learning rate for the setting unless one is typed (``experiments.catalog.apply_switches``).
+learning rate for the setting unless one is typed (``fedorth.catalog.apply_switches``).
 ``--dry_run`` (or ``fedorth config NAME[:preset] [--config.KEY=VALUE ...]``) prints the
 resulting config without running it.
 
@@ -31,8 +31,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import catalog
-from experiments.catalog import ConfigArgumentError, config_dir, resolve_config_argv
+from fedorth import catalog
+from fedorth.catalog import ConfigArgumentError, config_dir, resolve_config_argv
 
 # fedorth (and JAX) load after the --config argument is resolved: its errors come at once.
 
@@ -78,7 +78,7 @@ def flags_parser(argv: list[str]) -> list[str]:
         print(catalog.listing(config_dir()))
         sys.exit(0)
     if "--dry_run" in argv:  # no --workdir needed: nothing runs
-        from fedorth.cli import print_config
+        from fedorth.catalog import print_config
 
         names = [a.removeprefix("--config=") for a in argv if a.startswith("--config=")]
         overrides = [a for a in argv if a.startswith("--config.")]

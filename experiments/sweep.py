@@ -36,8 +36,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import catalog
-from experiments.catalog import ConfigArgumentError, resolve_config_argv
+from fedorth import catalog
+from fedorth.catalog import ConfigArgumentError, resolve_config_argv
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder of the sweep (one run folder per replica).")

@@ -14,21 +14,18 @@ overrides and switches, without running it.
 
 Unlike ``python -m experiments.main``, which imports ``experiments`` and ``configs`` from the
 current directory first, the command finds the ``experiments`` and ``configs`` packages shipped
-beside ``fedorth`` (:func:`shipped_package`), so a user's own folders of those names do not
-hide them.
+beside ``fedorth`` (:func:`fedorth.catalog.shipped_package`), so a user's own folders of those
+names do not hide them.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import pathlib
 import sys
 import types
 from collections.abc import Sequence
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent  # site-packages, or the source tree
+from fedorth.catalog import print_config, shipped_package
 
 USAGE = """\
 usage: fedorth COMMAND [ARGS]
@@ -56,38 +53,6 @@ LIST_HELP = (
     "Prints the algorithms, the configs and their presets (by paper and table), the models, "
     "datasets and optimizers, each with its paper. Takes no arguments."
 )
-
-
-def shipped_package(name: str) -> types.ModuleType:
-    """The top-level package ``name`` (``configs`` or ``experiments``) shipped with fedorth.
-
-    The wheel installs ``configs`` and ``experiments`` beside ``fedorth`` (and a source tree
-    holds them beside it too). ``import configs`` from a directory with its own ``configs/``
-    would find that folder first (Python puts the current directory first on ``sys.path`` for
-    ``python -m``); this binds ``sys.modules[name]`` to the shipped package instead, so that the
-    configs' own ``from configs import base`` resolve to it as well.
-
-    Raises:
-      ModuleNotFoundError: no such package beside ``fedorth`` (an installation without it).
-    """
-    folder = _ROOT / name
-    module = sys.modules.get(name)
-    if module is not None and folder in {
-        pathlib.Path(entry).resolve() for entry in getattr(module, "__path__", [])
-    }:
-        return module
-    init = folder / "__init__.py"
-    if not init.is_file():
-        raise ModuleNotFoundError(f"fedorth's {name!r} package is not installed beside it ({init})")
-    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-        del sys.modules[key]  # another folder of that name, imported first
-    spec = importlib.util.spec_from_file_location(
-        name, init, submodule_search_locations=[str(folder)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -138,58 +103,13 @@ def _config(argv: Sequence[str]) -> int:
     return print_config(argv[0].removeprefix("--config="), argv[1:])
 
 
-def print_config(name: str, overrides_argv: Sequence[str]) -> int:
-    """Prints the config ``--config=name`` with ``overrides_argv`` (``--config.KEY=VALUE``)
-    gives a run, as JSON (what the run's ``config.json`` would hold), after the switches and the
-    validation; the switches' notes go to stderr. Returns the exit code (2: a one-line error)."""
-    from absl import flags
-    from ml_collections import config_flags
-
-    from experiments import catalog
-
-    try:
-        spec = catalog.resolve_config(name)
-    except catalog.ConfigArgumentError as e:
-        return _error(str(e))
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", lock_config=True, flag_values=values)
-    command = ["fedorth config", f"--config={spec}", *list(overrides_argv)]
-    try:
-        values(command)
-    except flags.Error as e:
-        return _error(str(e))
-    except Exception as e:  # the config file's get_config, or an override
-        from fedorth.train import validate
-
-        message = validate.config_file_error(spec, e)
-        if message is None and isinstance(e, AttributeError | KeyError):
-            message = validate.unknown_override_message(command) or f"invalid override: {e!r}"
-        if message is None:
-            raise
-        return _error(message)
-    from fedorth.train import validate
-
-    config = values.config
-    try:
-        notes = catalog.apply_switches(
-            config, config_flags.get_override_values(values["config"]), spec
-        )
-        validate.validate(config)
-    except (catalog.ConfigArgumentError, validate.ConfigError) as e:
-        return _error(str(e))
-    for note in notes:
-        print(note, file=sys.stderr)
-    print(json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str))
-    return 0
-
-
 def _list(argv: Sequence[str]) -> int:
     if list(argv) in (["-h"], ["--help"]):
         print("usage: fedorth list\n\n" + LIST_HELP)
         return 0
     if argv:
         return _error(f"fedorth list takes no arguments, got {list(argv)}")
-    from experiments import catalog
+    from fedorth import catalog
 
     print(catalog.listing(catalog.config_dir()))
     return 0

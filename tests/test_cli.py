@@ -25,8 +25,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments import catalog
-from fedorth import data, fed, models
+from fedorth import catalog, data, fed, models
 from fedorth.fed import local
 from fedorth.train import validate
 

@@ -920,7 +920,7 @@ def test_citations_follow_the_papers():
     """The papers' identifiers and FedPAC (Liu et al.)'s algorithm numbers, one way everywhere:
     Alg. 1 FedSOA, 2/3 FedPAC, 4/5 Local SOAP / FedPAC_SOAP, 6/7 Local Muon / FedPAC_Muon, 8/9
     Local Sophia / FedPAC_Sophia (the paper's appendix); the LMO paper by its authors."""
-    from experiments import catalog
+    from fedorth import catalog
 
     papers = (CONFIG_DIR.parent / "docs" / "PAPERS.md").read_text()
     for arxiv in ("2510.27403", "2509.26337", "2510.03866", "2511.04456", "2602.19271"):

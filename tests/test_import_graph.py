@@ -1,4 +1,6 @@
-"""fedorth's modules import each other along an acyclic graph.
+"""fedorth's modules, and the entry points of ``experiments/``, import each other along an
+acyclic graph: the ``fedorth`` command (``fedorth.cli``) runs the entry points, which import the
+package's modules (the configs' catalog among them), never the command back.
 
 Every import of a ``fedorth`` module counts, those inside a function too: an import moved into a
 function hides a cycle from Python's import machinery, it does not remove it (each module of the
@@ -18,10 +20,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BY_DESIGN = {("fedorth.models.auc", "fedorth.models")}
 
 
+PACKAGES = ("fedorth", "experiments")
+
+
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Dotted name -> file of every module of the package under ``root``."""
+    """Dotted name -> file of every module of the packages under ``root``."""
     out = {}
-    for path in sorted((root / "fedorth").rglob("*.py")):
+    paths = [p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))]
+    for path in paths:
         parts = path.relative_to(root).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -37,7 +43,7 @@ def _module_of(name: str, known: dict[str, pathlib.Path]) -> str | None:
 
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the fedorth modules it imports, anywhere in its file."""
+    """Module -> the modules of ``PACKAGES`` it imports, anywhere in its file."""
     known = modules(root)
     graph = {}
     for name, path in known.items():
@@ -54,7 +60,7 @@ def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
                 for alias in node.names:  # `from fedorth.train import builders`: a module
                     full = f"{base}.{alias.name}"
                     deps.add(full if full in known else _module_of(base, known))
-        graph[name] = {d for d in deps if d and d.startswith("fedorth") and d != name}
+        graph[name] = {d for d in deps if d and d.startswith(PACKAGES) and d != name}
     return graph
 
 
@@ -101,7 +107,15 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
 
 def test_fedorth_imports_along_an_acyclic_graph():
     graph = import_graph()
-    assert {"fedorth.train.builders", "fedorth.train.validate", "fedorth.models.auc"} <= set(graph)
+    assert {
+        "fedorth.train.builders",
+        "fedorth.train.validate",
+        "fedorth.models.auc",
+        "fedorth.cli",
+        "experiments.main",
+        "experiments.sweep",
+    } <= set(graph)
+    assert "experiments.main" in graph["fedorth.cli"], "the command runs the entry points"
     for module, dep in BY_DESIGN:
         assert dep in graph[module], f"{module} no longer imports {dep}: drop it from BY_DESIGN"
         graph[module] = graph[module] - {dep}

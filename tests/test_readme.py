@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from experiments import catalog
+from fedorth import catalog
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

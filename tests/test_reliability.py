@@ -1201,7 +1201,7 @@ CORRUPTED = (
 CONFLICT = (
     "`fed.rounds=3 eval_every=0` in a workdir holding a run with `fed.rounds=2` (exit code 1)"
 )
-# The --config argument itself (experiments.catalog.resolve_config; before JAX loads).
+# The --config argument itself (fedorth.catalog.resolve_config; before JAX loads).
 CONFIG_ARGUMENTS = {
     "`--config=configs/nope.py` (no such file; exit code 2)": "configs/nope.py",
     "`--config=configs/base.py` (a file that is not a config; exit code 2)": "configs/base.py",
@@ -1231,7 +1231,7 @@ DISK_FULL = "a full disk while a checkpoint is written (exit code 1)"
 
 
 def config_argument_message(spec: str) -> str:
-    from experiments import catalog
+    from fedorth import catalog
 
     with pytest.raises(catalog.ConfigArgumentError) as info:
         catalog.resolve_config(spec)

@@ -14,8 +14,7 @@ import re
 
 import pytest
 
-from experiments import catalog
-from fedorth import cli
+from fedorth import catalog, cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

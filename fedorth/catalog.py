@@ -9,23 +9,58 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import pathlib
 import re
 import sys
 import textwrap
+import types
+from collections.abc import Sequence
 from typing import Any
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent  # site-packages, or the source tree
 
 NOT_CONFIGS = ("__init__", "base", "presets")
 """Files of the ``configs`` package that are not configs (shared defaults and settings)."""
 
 
+def shipped_package(name: str) -> types.ModuleType:
+    """The top-level package ``name`` (``configs`` or ``experiments``) shipped with fedorth.
+
+    The wheel installs ``configs`` and ``experiments`` beside ``fedorth`` (and a source tree
+    holds them beside it too). ``import configs`` from a directory with its own ``configs/``
+    would find that folder first (Python puts the current directory first on ``sys.path`` for
+    ``python -m``); this binds ``sys.modules[name]`` to the shipped package instead, so that the
+    configs' own ``from configs import base`` resolve to it as well.
+
+    Raises:
+      ModuleNotFoundError: no such package beside ``fedorth`` (an installation without it).
+    """
+    folder = _ROOT / name
+    module = sys.modules.get(name)
+    if module is not None and folder in {
+        pathlib.Path(entry).resolve() for entry in getattr(module, "__path__", [])
+    }:
+        return module
+    init = folder / "__init__.py"
+    if not init.is_file():
+        raise ModuleNotFoundError(f"fedorth's {name!r} package is not installed beside it ({init})")
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]  # another folder of that name, imported first
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def config_dir() -> pathlib.Path:
     """The folder of the ``configs`` package shipped with fedorth (installed beside it, or the
     source tree's), whatever the current directory holds: a user's own ``configs/`` folder does
-    not hide it (``fedorth.cli.shipped_package``)."""
-    from fedorth import cli
-
-    return pathlib.Path(cli.shipped_package("configs").__file__).parent
+    not hide it (:func:`shipped_package`)."""
+    return pathlib.Path(shipped_package("configs").__file__).parent
 
 
 def config_names() -> list[str]:
@@ -410,3 +445,49 @@ def listing(config_dir: pathlib.Path) -> str:
     lines.append("")
     lines.append("Papers: docs/PAPERS.md.")
     return "\n".join(lines)
+
+
+def _config_error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def print_config(name: str, overrides_argv: Sequence[str]) -> int:
+    """Prints the config ``--config=name`` with ``overrides_argv`` (``--config.KEY=VALUE``)
+    gives a run, as JSON (what the run's ``config.json`` would hold), after the switches and the
+    validation; the switches' notes go to stderr. Returns the exit code (2: a one-line error)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    try:
+        spec = resolve_config(name)
+    except ConfigArgumentError as e:
+        return _config_error(str(e))
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", lock_config=True, flag_values=values)
+    command = ["fedorth config", f"--config={spec}", *list(overrides_argv)]
+    try:
+        values(command)
+    except flags.Error as e:
+        return _config_error(str(e))
+    except Exception as e:  # the config file's get_config, or an override
+        from fedorth.train import validate
+
+        message = validate.config_file_error(spec, e)
+        if message is None and isinstance(e, AttributeError | KeyError):
+            message = validate.unknown_override_message(command) or f"invalid override: {e!r}"
+        if message is None:
+            raise
+        return _config_error(message)
+    from fedorth.train import validate
+
+    config = values.config
+    try:
+        notes = apply_switches(config, config_flags.get_override_values(values["config"]), spec)
+        validate.validate(config)
+    except (ConfigArgumentError, validate.ConfigError) as e:
+        return _config_error(str(e))
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str))
+    return 0
