@@ -411,3 +411,33 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(DOC.parents[1] / "tests"))
     write_doc()
+
+
+def test_a_sweep_writes_each_replicas_dp_epsilon(tmp_path):
+    """A DP sweep over seeds: each replica's evaluated rows carry the accountant's epsilon after
+    that round, as a single run's do (test_cli_run_writes_dp_epsilon)."""
+    import io
+    import json
+
+    pytest.importorskip("dp_accounting")
+    from test_sweep import sweep_config
+
+    from fedorth.sweep.grid import Grid
+    from fedorth.sweep.runner import run_sweep
+    from fedorth.train import privacy as train_privacy
+
+    config = sweep_config(2)
+    config.dp.clip_norm, config.dp.noise_multiplier, config.dp.delta = 0.5, 1.0, 0.01
+    run_sweep(
+        config,
+        Grid(config, {"seed": [1, 2]}),
+        tmp_path,
+        replica_strategy="sequential",
+        stream=io.StringIO(),
+    )
+    for seed in (1, 2):
+        folder = tmp_path / f"seed={seed}"
+        rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows if "dp_epsilon" in r] == [1, 2], folder.name
+        for row in rows[1:]:
+            assert row["dp_epsilon"] == train_privacy.epsilon(config, 1.0, row["round"]) > 0

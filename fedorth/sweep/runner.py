@@ -62,7 +62,7 @@ import numpy as np
 from fedorth.sweep.grid import Grid, SweepError, replica_name
 from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
-from fedorth.train import builders, loop, plots
+from fedorth.train import builders, loop, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
@@ -706,6 +706,7 @@ class _Sweep:
                     row.update({key: float(v) for key, v in jax.device_get(metrics[k]).items()})
                     row.update(evaluate(k, state))
                     row.update(self.comm_row)
+                    row.update(privacy.epsilon_row(rr.replicas[k].config, done))
                     row["wall_s"] = self.wall_offset + time.perf_counter() - start
                     bad = _finite(row)
                     if bad is not None:
