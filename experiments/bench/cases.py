@@ -14,7 +14,6 @@ from experiments.bench.budget import Budget, time_repeats
 from experiments.bench.jax_loop import JaxLoopRunner, unsupported
 from experiments.bench.runners import FedorthRunner, TorchRunner, torch_available
 from experiments.bench.workloads import Case, case_data
-from fedorth import fed
 
 
 def runner_specs(case: Case, args) -> list[tuple]:
@@ -49,7 +48,7 @@ def make_runner(spec: tuple, case: Case, data, fed_data):
                 raise Skip(str(err)) from err
             raise
     if kind == "jax_loop":
-        why = unsupported(fed.get_algorithm(case.algorithm, case.optim))
+        why = unsupported(case.fed_algorithm())
         if why is not None:
             raise Skip(f"{why} ({case.algorithm})")
         # XLA's own convolution: the loop's fastest (no loop body around it, nothing batched).
@@ -70,6 +69,7 @@ def make_row(case: Case, runner, times: list[float], warm: dict[str, Any]) -> di
     row = {
         "workload": case.workload_name,
         "algorithm": case.algorithm,
+        "aligned": case.aligned_mode,
         "clients_per_round": case.clients_per_round,
         "local_steps": case.local_steps,
         "batch_size": case.batch_size,

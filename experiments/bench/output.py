@@ -29,7 +29,8 @@ def add_cross_ratios(rows: list[dict[str, Any]]) -> None:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     columns = [
-        ("workload", "{}"), ("algorithm", "{}"), ("S", "{}"), ("K", "{}"), ("B", "{}"),
+        ("workload", "{}"), ("algorithm", "{}"), ("aligned", "{}"), ("S", "{}"), ("K", "{}"),
+        ("B", "{}"),
         ("dtype", "{}"), ("impl", "{}"), ("strategy", "{}"), ("conv", "{}"), ("unroll", "{}"),
         ("steps/s", "{:.2f}"), ("img/s", "{:.0f}"), ("round ms", "{:.0f}"),
         ("compile s", "{:.1f}"), ("peak MB", "{:.1f}"),

@@ -40,7 +40,7 @@ class FedorthRunner:
         self.conv_impl = conv_impl
         s = case.clients_per_round
         self.model = build_model(case.workload, self.conv_impl, case.dtype)
-        self.algorithm = fed.get_algorithm(case.algorithm, case.optim)
+        self.algorithm = case.fed_algorithm()
         config = fed.RoundConfig(
             num_clients=case.num_clients,
             clients_per_round=s,
@@ -166,6 +166,7 @@ class TorchRunner:
             batch_size=case.batch_size,
             learning_rate=case.optim["learning_rate"],
             beta=FEDPAC_BETA,
+            aligned=case.aligned,
             device=self.device,
             amp=amp,
         )
