@@ -41,6 +41,7 @@ from fedorth.models.layers import (
     conv_general_dilated_canonical,
     resolve_conv_impl,
 )
+from fedorth.optim import linalg
 from fedorth.optim.newton_schulz import newton_schulz, newton_schulz_flops
 
 try:
@@ -590,6 +591,36 @@ def test_every_side_of_a_fedpac_case_runs_the_asked_alignment_mode():
         assert {case.aligned for case in preset} == {soap_case.aligned}
     with pytest.raises(SystemExit):  # argparse names the valid modes
         rounds.parse_args(["--aligned", "whole"])
+
+
+def test_lapack_threads_rows_lower_their_round_with_their_count(monkeypatch):
+    """``--lapack-threads 1,2`` makes one fedorth row per count, and each row's round is lowered
+    with its count: its host eigh calls run with that many OpenBLAS threads."""
+    from threadpoolctl import threadpool_info
+
+    args = rounds.parse_args(["--lapack-threads", "1,2", "--peers", "none"])
+    specs = cases.runner_specs(rounds.make_cases(args)[0], args)
+    assert [spec[-1] for spec in specs] == ["1", "2"]
+    with pytest.raises(ValueError, match="--lapack-threads='0'"):
+        rounds.parse_args(["--lapack-threads", "0"])
+    seen = []
+    original = linalg._np_eigh
+
+    def spy(x):
+        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+        return original(x)
+
+    monkeypatch.setattr(linalg, "_np_eigh", spy)
+    case = workloads.Case("mlp_small", "fedpac_soap", 2, 2, 8)
+    data, fed_data = workloads.case_data(case)
+    runner = runners.FedorthRunner(
+        case, data, fed_data, strategy="sequential", conv_impl=None, unroll=1, lapack_threads="2"
+    )
+    runner.warmup()
+    runner.run()
+    assert seen and set(seen) == {2}, seen
+    assert runner.settings["lapack_threads"] == "2"
+    assert os.environ.get("FEDORTH_LAPACK_THREADS") == "1", "the row's count was left set"
 
 
 def _fedorth_soap_rounds(grads, lr, per_round, **kwargs):

@@ -17,17 +17,19 @@ from experiments.bench.workloads import Case, case_data
 
 
 def runner_specs(case: Case, args) -> list[tuple]:
-    """What runs `case`, one entry per row: ("fedorth", strategy, conv_impl, unroll) or (peer,)."""
+    """What runs `case`, one entry per row: ("fedorth", strategy, conv_impl, unroll,
+    lapack_threads) or (peer,)."""
     impls = case.impls if case.impls is not None else ("fedorth", *args.peers)
     conv_impls = args.conv_impls if case.workload.conv else [None]
     specs: list[tuple] = []
     for impl in impls:
         if impl == "fedorth":
             specs += [
-                ("fedorth", strategy, conv_impl, unroll)
+                ("fedorth", strategy, conv_impl, unroll, threads)
                 for strategy in args.strategies
                 for conv_impl in conv_impls
                 for unroll in args.unrolls
+                for threads in args.lapack_threads
             ]
         else:
             specs.append((impl,))
@@ -38,10 +40,16 @@ def make_runner(spec: tuple, case: Case, data, fed_data):
     """Builds the runner of `spec`; raises `Skip` with the reason when it cannot run here."""
     kind = spec[0]
     if kind == "fedorth":
-        _, strategy, conv_impl, unroll = spec
+        _, strategy, conv_impl, unroll, threads = spec
         try:
             return FedorthRunner(
-                case, data, fed_data, strategy=strategy, conv_impl=conv_impl, unroll=unroll
+                case,
+                data,
+                fed_data,
+                strategy=strategy,
+                conv_impl=conv_impl,
+                unroll=unroll,
+                lapack_threads=threads,
             )
         except ValueError as err:
             if "dtype" in str(err):

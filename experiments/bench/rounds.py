@@ -4,7 +4,8 @@
         [--algorithms fedavg,fedpac_muon,fedpac_soap,fedpac_sophia] [--clients 10,100]
         [--local-steps 5,50] [--batch-size 50] [--dtypes float32,bfloat16]
         [--strategies auto,vmap,chunked,sequential,sharded] [--conv-impls auto,lax,matmul,canonical]
-        [--unrolls 1,True] [--peers torch,torch_amp,jax_loop] [--aligned theta|state]
+        [--unrolls 1,True] [--lapack-threads 1,auto] [--peers torch,torch_amp,jax_loop]
+        [--aligned theta|state]
         [--repeats 3] [--budget-s 500]
         [--preset targets] [--isolate] [--memory] [--micro] [--scaling] [--no-rounds]
         [--json out.json] [--quick]
@@ -98,6 +99,7 @@ from experiments.bench.workloads import (
 )
 from fedorth import fed
 from fedorth.models.layers import CONV_IMPLS
+from fedorth.optim import linalg
 
 
 def _csv(text: str) -> list[str]:
@@ -119,6 +121,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--strategies", default="auto", help="auto,vmap,chunked,sequential,sharded")
     parser.add_argument("--conv-impls", default="auto", help="lax,matmul,canonical,auto")
     parser.add_argument("--unrolls", default="1", help="local-step scan unroll: 1,True or n")
+    parser.add_argument(
+        "--lapack-threads",
+        default="",
+        help="fedorth rows per FEDORTH_LAPACK_THREADS value, e.g. 1,auto: the OpenBLAS threads "
+        "of a host LAPACK call (default: the environment's, else auto)",
+    )
     parser.add_argument(
         "--peers", default="torch,jax_loop", help="torch,torch_amp,jax_loop or none"
     )
@@ -174,6 +182,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 setattr(args, key, value)
     for name in ("workloads", "algorithms", "strategies", "conv_impls", "peers", "dtypes"):
         setattr(args, name, _csv(getattr(args, name)))
+    args.lapack_threads = _csv(args.lapack_threads) or [None]
+    for value in args.lapack_threads:
+        if value is not None and value != "auto" and not (value.isdigit() and int(value) >= 1):
+            raise ValueError(f"--lapack-threads={value!r}; valid: a count >= 1 or auto.")
     args.peers = [p for p in args.peers if p != "none"]
     args.clients = [int(c) for c in _csv(args.clients)]
     args.local_steps = [int(k) for k in _csv(args.local_steps)]
@@ -293,6 +305,8 @@ def main(argv: list[str]) -> int:
         "cpu_threads": threads,
         "jax": jax.__version__,
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "lapack_threads": os.environ.get(linalg.THREADS_ENV, "auto")
+        + f" (FEDORTH_LAPACK_THREADS; auto = {linalg.host_threads(1)} on one device)",
         "fedpac_aligned": (
             f"{args.aligned} (fed.options.aligned; fedorth and every peer run it"
             + (
