@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import blas_threads_seen
 
 from experiments.bench import (
     budget,
@@ -41,7 +42,6 @@ from fedorth.models.layers import (
     conv_general_dilated_canonical,
     resolve_conv_impl,
 )
-from fedorth.optim import linalg
 from fedorth.optim.newton_schulz import newton_schulz, newton_schulz_flops
 
 try:
@@ -596,21 +596,12 @@ def test_every_side_of_a_fedpac_case_runs_the_asked_alignment_mode():
 def test_lapack_threads_rows_lower_their_round_with_their_count(monkeypatch):
     """``--lapack-threads 1,2`` makes one fedorth row per count, and each row's round is lowered
     with its count: its host eigh calls run with that many OpenBLAS threads."""
-    from threadpoolctl import threadpool_info
-
     args = rounds.parse_args(["--lapack-threads", "1,2", "--peers", "none"])
     specs = cases.runner_specs(rounds.make_cases(args)[0], args)
     assert [spec[-1] for spec in specs] == ["1", "2"]
     with pytest.raises(ValueError, match="--lapack-threads='0'"):
         rounds.parse_args(["--lapack-threads", "0"])
-    seen = []
-    original = linalg._np_eigh
-
-    def spy(x):
-        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
-        return original(x)
-
-    monkeypatch.setattr(linalg, "_np_eigh", spy)
+    seen = blas_threads_seen(monkeypatch)
     case = workloads.Case("mlp_small", "fedpac_soap", 2, 2, 8)
     data, fed_data = workloads.case_data(case)
     runner = runners.FedorthRunner(

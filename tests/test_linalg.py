@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import blas_threads_seen
 
 from fedorth.optim import linalg
 
@@ -161,21 +162,6 @@ def test_states_refreshed_on_the_host_are_found_by_their_mark():
         assert linalg.state_refreshed_on_host(state) is expected, tx
 
 
-def _blas_threads_seen(monkeypatch) -> list[int]:
-    """The OpenBLAS thread count each host eigh call runs with (recorded inside the call)."""
-    from threadpoolctl import threadpool_info
-
-    seen = []
-    original = linalg._np_eigh
-
-    def spy(x):
-        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
-        return original(x)
-
-    monkeypatch.setattr(linalg, "_np_eigh", spy)
-    return seen
-
-
 @pytest.mark.cpu_devices
 def test_a_host_call_gets_the_cores_its_program_leaves_it(monkeypatch):
     """FEDORTH_LAPACK_THREADS=auto: a program on one CPU device (a sequential round) waits for
@@ -186,7 +172,7 @@ def test_a_host_call_gets_the_cores_its_program_leaves_it(monkeypatch):
 
     monkeypatch.setenv("FEDORTH_LAPACK_THREADS", "auto")
     monkeypatch.setattr(linalg.os, "sched_getaffinity", lambda pid: {0, 1})
-    seen = _blas_threads_seen(monkeypatch)
+    seen = blas_threads_seen(monkeypatch)
     x = _batch((2, 6, 6), seed=5)
     x = x @ jnp.swapaxes(x, -1, -2)
     # Fresh functions: jit's caches would reuse other tests' lowerings (and their counts).
