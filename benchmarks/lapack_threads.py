@@ -8,9 +8,9 @@ float32 ``eigh`` of an ``n × n`` factor and economic QR of an ``n × n`` matrix
 jitted program on one CPU device (as a ``sequential`` round calls them), lowered once with
 ``FEDORTH_LAPACK_THREADS=1`` and once with ``auto`` (the cores divided by the program's devices),
 plus ``torch.linalg.eigh``/``qr`` with ``torch.set_num_threads(cores)`` where torch is installed
-(the round benchmark's peer). Prints the medians, the ratios, whether the two fedorth settings
-give the same bytes, and the largest difference between them (eigenvalues relative to the
-largest; ``Q R`` against the input).
+(the round benchmark's peer, with ``OMP_WAIT_POLICY=PASSIVE`` as there). Prints the medians,
+the ratios, whether the two fedorth settings give the same bytes, and the largest difference
+between them (eigenvalues relative to the largest; ``Q R`` against the input).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import statistics
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # what experiments/__init__.py sets
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch, as the round benchmark sets it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
                     seconds, outs[t] = timed(f, x)
                     times[t].append(seconds)
                 if torch is not None:
-                    tx = torch.from_numpy(np.asarray(x))
+                    tx = torch.from_numpy(np.array(x))
                     op = torch.linalg.eigh if name == "eigh" else torch.linalg.qr
                     start = time.perf_counter()
                     op(tx)
