@@ -271,6 +271,17 @@ def test_bad_config_is_rejected_with_field_value_and_valid_range(overrides, expe
     assert len(message.splitlines()) == 2, f"one problem, one line:\n{message}"
 
 
+def test_a_bad_lapack_thread_count_is_a_config_problem(monkeypatch):
+    """FEDORTH_LAPACK_THREADS is read when the round is lowered; the run checks it with the
+    config, so a bad value is one line before anything is loaded or compiled."""
+    monkeypatch.setenv("FEDORTH_LAPACK_THREADS", "many")
+    message = config_error({})
+    assert message.splitlines()[1:] == [
+        "  FEDORTH_LAPACK_THREADS='many' must be a thread count >= 1 or 'auto' (the cores "
+        "divided by the round's CPU devices)."
+    ], message
+
+
 def test_every_problem_is_reported_at_once():
     message = config_error({"fed.rounds": 0, "optim.name": "adam", "eval_every": -1})
     assert len(message.splitlines()) == 4, message
