@@ -27,8 +27,20 @@ written from the papers and the fedorth docstrings (no code copied):
 FedPAC (Liu et al., Alg. 2) on top of any of them: the server averages the optimizer states
 (SOAP: the factors are averaged and ``Q`` rebuilt by ``eigh``; ``exp_avg`` is averaged in the
 original space), clients warm-start from it, and each local direction is mixed as
-``(1 - beta) d + beta g_G`` with ``g_G = -mean_i(dx_i) / (K lr)``. FedAvg is ``torch.optim.SGD``
-with a fresh optimizer per client and round.
+``(1 - beta) d + beta g_G`` with ``g_G = -mean_i(dx_i) / (K lr)``. What a client warm-starts is
+fedorth's ``fed.options.aligned`` (``Peer(aligned=...)``):
+
+* ``"theta"`` (fedorth's default, Alg. 2): the preconditioner ``Theta`` and what the server
+  derives from it (each optimizer's ``ALIGNED`` keys: SOAP ``L, R``, ``Q`` and the schedule
+  counter ``count``; Sophia ``h`` and its counter; Muon the matrices' momentum); the rest
+  restarts every round. SOAP's moments restart, so every round begins with the update-free call
+  that adds the client's first gradient to the server's ``L, R`` and rebuilds ``Q`` by ``eigh``
+  (one ``eigh`` per factor, client and round), and its basis refresh runs every
+  ``precondition_frequency`` calls of the whole training (``count``);
+* ``"state"``: the whole state, ``step`` counts included (after round 1, SOAP makes no
+  update-free call).
+
+FedAvg is ``torch.optim.SGD`` with a fresh optimizer per client and round.
 
 The models mirror fedorth.models layer for layer (same parameter counts; NCHW layout):
 ``mlp``, ``lenet5``, ``cnn``, ``vit_tiny`` and ``resnet18`` (``width`` scales the channels).
@@ -50,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ALGORITHMS = ("fedavg", "fedpac_muon", "fedpac_soap", "fedpac_sophia")
+ALIGNED = ("theta", "state")  # fedorth's fed.options.aligned
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 
 # ----------------------------------------------------------------------------------- models
@@ -272,6 +285,9 @@ class DirectionOptimizer(torch.optim.Optimizer):
     ``beta = 0``) leaves the direction unmixed.
     """
 
+    # The state keys FedPAC's Theta alignment warm-starts (``Peer(aligned="theta")``).
+    ALIGNED: tuple[str, ...] = ()
+
     def __init__(self, params, lr: float, beta: float = 0.0, **defaults):
         super().__init__(params, dict(lr=lr, **defaults))
         self.beta = beta
@@ -294,6 +310,8 @@ class DirectionOptimizer(torch.optim.Optimizer):
 
 class Muon(DirectionOptimizer):
     """Muon on matrices (ndim >= 2), Adam (0.9, 0.999, 1e-8) on the rest; see module docstring."""
+
+    ALIGNED = ("momentum_buffer",)  # Theta = {m} of the matrices; the Adam fallback restarts
 
     def __init__(self, params, lr, beta=0.0, momentum=0.95, ns_steps=5):
         super().__init__(params, lr, beta, momentum=momentum, ns_steps=ns_steps)
@@ -331,7 +349,16 @@ def soap_eigenbasis(gg: torch.Tensor) -> torch.Tensor:
 
 
 class SOAP(DirectionOptimizer):
-    """SOAP (Vyas et al. 2024) without dimension merging; see the module docstring."""
+    """SOAP (Vyas et al. 2024) without dimension merging; see the module docstring.
+
+    Two counters, as in fedorth's ``SoapState``: ``count``, the calls so far (the basis refresh
+    runs on a call with an update when ``count % precondition_frequency == 0``), and
+    ``moment_count``, the calls since the moments were zero: the first of them is the
+    update-free one, and the ``t`` of the bias correction is ``moment_count``. In a plain run
+    they are equal; under Theta alignment ``count`` runs on and the moments restart each round.
+    """
+
+    ALIGNED = ("GG", "Q", "count")
 
     def __init__(
         self,
@@ -364,27 +391,31 @@ class SOAP(DirectionOptimizer):
 
     def direction(self, p, grad, state, group):
         b1, b2 = group["betas"]
-        if "GG" not in state:
+        if "GG" not in state:  # a fresh SOAP: factors from zero
             rotate = p.ndim >= 2
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
+            state["count"] = 0
             state["GG"] = [
                 grad.new_zeros(d, d) if rotate and d <= group["max_precond_dim"] else None
                 for d in grad.shape
             ]
+        if "exp_avg" not in state:  # moments from zero (a fresh SOAP, or a Theta-aligned round)
+            state["moment_count"] = 0
+            state["exp_avg"] = torch.zeros_like(grad)
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        count, t = state["count"], state["moment_count"]
+        state["count"], state["moment_count"] = count + 1, t + 1
+        if t == 0:  # the update-free call: factors, then Q = eigh
             self._update_factors(state, grad, group["shampoo_beta"])
             state["Q"] = [None if gg is None else soap_eigenbasis(gg) for gg in state["GG"]]
-            return torch.zeros_like(grad)  # the first step makes no update
+            return torch.zeros_like(grad)
         qs = state["Q"]
         rotated = soap_project(grad, qs)
-        state["step"] += 1
         state["exp_avg"].mul_(b1).add_(rotated, alpha=1 - b1)
         state["exp_avg_sq"].mul_(b2).addcmul_(rotated, rotated, value=1 - b2)
         d = soap_project_back(state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"]), qs)
-        d = d * (math.sqrt(1 - b2 ** state["step"]) / (1 - b1 ** state["step"]))
+        d = d * (math.sqrt(1 - b2**t) / (1 - b1**t))
         self._update_factors(state, grad, group["shampoo_beta"])
-        if state["step"] % group["precondition_frequency"] == 0:
+        if count % group["precondition_frequency"] == 0:
             self._refresh(state)
         return d
 
@@ -410,6 +441,8 @@ class Sophia(DirectionOptimizer):
     """Sophia as FedPAC (Liu et al.) Alg. 8 (Hutchinson); the caller sets ``hessian`` on refresh
     steps."""
 
+    ALIGNED = ("hessian",)  # Theta = {h}; the schedule counter `count` is shared too
+
     def __init__(self, params, lr, beta=0.0, betas=(0.965, 0.99), rho=0.04, eps=1e-12, k=10):
         super().__init__(params, lr, beta, betas=betas, rho=rho, eps=eps, k=k)
         self.count = 0  # shared across parameters, like fedorth's schedule counter
@@ -426,9 +459,10 @@ class Sophia(DirectionOptimizer):
 
     def direction(self, p, grad, state, group):
         b1, b2 = group["betas"]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(grad)
+        if "hessian" not in state:
             state["hessian"] = torch.zeros_like(grad)
+        if "exp_avg" not in state:  # a fresh Sophia, or a Theta-aligned round
+            state["exp_avg"] = torch.zeros_like(grad)
         state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
         if self.hessian is not None:
             state["hessian"].mul_(b2).add_(self.hessian[self._index].clamp(min=0), alpha=1 - b2)
@@ -486,6 +520,9 @@ class Peer:
       partition: per-client index arrays into ``x``.
       clients_per_round, local_steps, batch_size, learning_rate: ``S``, ``K``, ``B``, ``eta``.
       beta: FedPAC's correction weight.
+      aligned: what a FedPAC client warm-starts from the server's average, as fedorth's
+        ``fed.options.aligned``: ``"theta"`` (the default there and here) or ``"state"`` (the
+        module docstring says what each runs).
       seed: seeds client sampling, batches, probes and dropout.
       device: where the model, data and optimizer states live (``"cpu"``, ``"cuda"``, ...).
         Batch indices and Sophia's probes are drawn on the CPU and moved, so every device sees
@@ -510,12 +547,16 @@ class Peer:
         batch_size: int,
         learning_rate: float,
         beta: float = 0.5,
+        aligned: str = "theta",
         seed: int = 0,
         device: str | torch.device = "cpu",
         amp: bool = False,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"torch peer: algorithm={algorithm!r}; valid: {ALGORITHMS}.")
+        if aligned not in ALIGNED:
+            raise ValueError(f"torch peer: aligned={aligned!r}; valid: {ALIGNED}.")
+        self.aligned = aligned
         self.device = torch.device(device)
         self.amp = amp
         if amp:
@@ -552,8 +593,11 @@ class Peer:
             opt = Sophia(params, self.lr, beta)
         opt.global_direction = self.global_direction
         if self.server_opt_state is not None:
+            keep = opt.ALIGNED if self.aligned == "theta" else None
             for p, saved in zip(opt.param_groups[0]["params"], self.server_opt_state, strict=True):
-                opt.state[p] = {k: _copy_state(v) for k, v in saved.items()}
+                opt.state[p] = {
+                    k: _copy_state(v) for k, v in saved.items() if keep is None or k in keep
+                }
             if isinstance(opt, Sophia):
                 opt.count = self.sophia_count
         return opt

@@ -8,6 +8,9 @@ settings they all need are made once here; an explicit value in the environment 
   XLA:CPU (`fedorth.optim.linalg`), and OpenBLAS's own threads spin against XLA's: 10-20x the CPU
   time on 2 cores, and lenet5 FedPAC_SOAP's 2-round period 145 ms against 109 ms with one thread
   (docs/PERFORMANCE.md). `OPENBLAS_NUM_THREADS=2 python -m experiments.main ...` opts out.
+  The host LAPACK calls themselves run with `FEDORTH_LAPACK_THREADS` threads (default `auto`:
+  the cores divided by the round's CPU devices, while the round waits for the call;
+  `fedorth.optim.linalg.host_threads`); `FEDORTH_LAPACK_THREADS=1` keeps them on one thread.
 * One JAX CPU device per core, up to 8 (`JAX_NUM_CPU_DEVICES`, unless `XLA_FLAGS` already sets
   `--xla_force_host_platform_device_count`). The round's `"auto"` strategy then lays clients over
   the devices (`fed.resolve_strategy`), each device running its clients one at a time: on the

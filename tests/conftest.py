@@ -23,6 +23,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # fedorth.optim.linalg runs LAPACK through NumPy on XLA:CPU; OpenBLAS's own threads spin while
 # XLA's threads work (a measured 10-20x CPU overhead on 2 cores): one BLAS thread.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# A host LAPACK call's own threads (fedorth.optim.linalg.host_threads): multi-threaded OpenBLAS
+# rounds differently, and tests/fixtures/fed_golden.json's bytes were made with one.
+os.environ.setdefault("FEDORTH_LAPACK_THREADS", "1")
 
 import jax  # noqa: E402
 

@@ -30,3 +30,21 @@ def rewrite_doc_section(doc: pathlib.Path, section: str, body: str) -> None:
     rest = parts[1].split("\n## ", 1)[1] if len(parts) > 1 and "\n## " in parts[1] else None
     new = section + "\n" + body
     doc.write_text(parts[0].rstrip("\n") + "\n\n" + new + ("\n## " + rest if rest else ""))
+
+
+def blas_threads_seen(monkeypatch) -> list[int]:
+    """The OpenBLAS thread count each host ``eigh`` call of ``fedorth.optim.linalg`` runs with,
+    recorded inside the call (appended to the returned list as calls run)."""
+    from threadpoolctl import threadpool_info
+
+    from fedorth.optim import linalg
+
+    seen = []
+    original = linalg._np_eigh
+
+    def spy(x):
+        seen.append(max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+        return original(x)
+
+    monkeypatch.setattr(linalg, "_np_eigh", spy)
+    return seen

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import blas_threads_seen
 
 from experiments.bench import (
     budget,
@@ -141,6 +142,7 @@ def test_quick_round_subcommand_writes_json_with_all_fields(tmp_path):
     assert cli.main(["bench", *argv]) == 0
     result = json.loads(path.read_text())
     keys = ("date", "device", "cpu_threads", "jax", "openblas_threads", "command", "rows")
+    keys += ("fedpac_aligned",)
     for key in (*keys, "matmul_gflops"):
         assert key in result, key
     rows = {row["impl"]: row for row in result["rows"]}
@@ -570,6 +572,120 @@ def test_peer_soap_and_muon_follow_fedorth_step_for_step():
     theirs = _run_peer_optimizer(torch_peer.Muon, [g.T.copy() for g in grads], lr)
     ours = _run_fedorth_direction(scale_by_muon(), grads, lr)
     np.testing.assert_allclose(theirs.T, ours, atol=2e-5)
+
+
+def test_every_side_of_a_fedpac_case_runs_the_asked_alignment_mode():
+    """fedorth, jax_loop and the torch peer of a case all run ``--aligned`` (default: fedorth's
+    own default, Theta only), and each FedPAC row says which."""
+    from fedorth.optim import federated
+
+    for argv, mask in (([], federated.align_mask), (["--aligned", "state"], None)):
+        args = rounds.parse_args(
+            ["--workloads", "mlp", "--algorithms", "fedpac_soap,fedavg", *argv]
+        )
+        soap_case, fedavg_case = rounds.make_cases(args)
+        assert soap_case.fed_algorithm().start.mask is mask
+        assert soap_case.aligned_mode == (argv[-1] if argv else "theta")
+        assert fedavg_case.aligned_mode is None  # no optimizer state aligned: nothing to say
+        preset = rounds.make_cases(rounds.parse_args(["--preset", "targets", *argv]))
+        assert {case.aligned for case in preset} == {soap_case.aligned}
+    with pytest.raises(SystemExit):  # argparse names the valid modes
+        rounds.parse_args(["--aligned", "whole"])
+
+
+def test_lapack_threads_rows_lower_their_round_with_their_count(monkeypatch):
+    """``--lapack-threads 1,2`` makes one fedorth row per count, and each row's round is lowered
+    with its count: its host eigh calls run with that many OpenBLAS threads."""
+    args = rounds.parse_args(["--lapack-threads", "1,2", "--peers", "none"])
+    specs = cases.runner_specs(rounds.make_cases(args)[0], args)
+    assert [spec[-1] for spec in specs] == ["1", "2"]
+    with pytest.raises(ValueError, match="--lapack-threads='0'"):
+        rounds.parse_args(["--lapack-threads", "0"])
+    seen = blas_threads_seen(monkeypatch)
+    case = workloads.Case("mlp_small", "fedpac_soap", 2, 2, 8)
+    data, fed_data = workloads.case_data(case)
+    runner = runners.FedorthRunner(
+        case, data, fed_data, strategy="sequential", conv_impl=None, unroll=1, lapack_threads="2"
+    )
+    runner.warmup()
+    runner.run()
+    assert seen and set(seen) == {2}, seen
+    assert runner.settings["lapack_threads"] == "2"
+    assert os.environ.get("FEDORTH_LAPACK_THREADS") == "1", "the row's count was left set"
+
+
+def _fedorth_soap_rounds(grads, lr, per_round, **kwargs):
+    """fedorth's SOAP over rounds of ``per_round`` steps, each round restarting what FedPAC's
+    Theta alignment restarts (one client: the server's average is its own state)."""
+    from fedorth.optim.soap import scale_by_soap, soap_align_mask
+
+    tx = scale_by_soap(**kwargs)
+    params = jnp.zeros(grads[0].shape)
+    state = tx.init(params)
+    for step, g in enumerate(grads):
+        if step and step % per_round == 0:
+            fresh = tx.init(params)
+            keep = soap_align_mask(fresh)
+            state = jax.tree.map(lambda k, s, f: s if k else f, keep, state, fresh)
+        d, state = tx.update(jnp.asarray(g), state, params)
+        params = params - lr * d
+    return np.asarray(params)
+
+
+@needs_torch
+def test_peer_theta_alignment_runs_fedorths_soap_rounds():
+    """Three rounds of three steps: the peer's Theta-aligned SOAP (L, R, Q and the schedule
+    counter warm-started, the moments restarted) follows fedorth's step for step, including
+    each round's update-free eigh call and a basis refresh counted over the whole training."""
+    rng = np.random.default_rng(3)
+    lr, per_round = 0.1, 3
+    grads = [rng.standard_normal((5, 5)).astype(np.float32) for _ in range(3 * per_round)]
+    p = torch.nn.Parameter(torch.zeros(grads[0].shape, dtype=torch.float32))
+    eighs = []
+    original = torch_peer.soap_eigenbasis
+    saved = None
+    for step, g in enumerate(grads):
+        if step % per_round == 0:
+            opt = torch_peer.SOAP([p], lr, precondition_frequency=2)
+            if saved is not None:
+                opt.state[p] = {k: v for k, v in saved.items() if k in opt.ALIGNED}
+        torch_peer.soap_eigenbasis = lambda gg: eighs.append(step) or original(gg)
+        try:
+            p.grad = torch.from_numpy(g)
+            opt.step()
+        finally:
+            torch_peer.soap_eigenbasis = original
+        saved = opt.state[p]
+    assert eighs == [0, 0, 3, 3, 6, 6], "one eigh per factor at each round's first call"
+    ours = _fedorth_soap_rounds(grads, lr, per_round, precondition_frequency=2)
+    np.testing.assert_allclose(p.detach().numpy(), ours, atol=2e-4)
+
+
+@needs_torch
+@pytest.mark.parametrize("aligned", ["theta", "state"])
+def test_peer_warm_starts_what_the_mode_aligns(aligned):
+    """A peer FedPAC round warm-starts Theta (SOAP: L, R, Q, count) under ``theta``, every key
+    under ``state``."""
+    torch.manual_seed(0)
+    model = torch_peer.build_model("mlp", (2, 2, 1), 3, hidden_sizes=(4,))
+    x = torch.randn(8, 1, 2, 2)
+    y = torch.randint(0, 3, (8,))
+    peer = torch_peer.Peer(
+        model, "fedpac_soap", x, y, [np.arange(4), np.arange(4, 8)], clients_per_round=2,
+        local_steps=2, batch_size=2, learning_rate=0.01, aligned=aligned,
+    )  # fmt: skip
+    peer.run_round()
+    opt = peer._optimizer()
+    state = next(iter(opt.state.values()))
+    want = {"GG", "Q", "count"}
+    if aligned == "state":
+        want |= {"exp_avg", "exp_avg_sq", "moment_count"}
+    assert set(state) == want
+    with pytest.raises(ValueError, match="aligned='whole'"):
+        torch_peer.Peer(
+            model, "fedpac_soap", x, y, [np.arange(8)], clients_per_round=1, local_steps=1,
+            batch_size=2, learning_rate=0.01, aligned="whole",
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- auto choices

@@ -398,6 +398,9 @@ def platform(lapack: bool) -> str | None:
         if core is None:
             return None
         parts.append(f"OpenBLAS {core}")
+        threads = os.environ.get("FEDORTH_LAPACK_THREADS", "auto")
+        if threads != "1":  # tests/conftest.py's value, the one recorded so far
+            parts.append(f"LAPACK threads {threads}")
     return " | ".join(parts)
 
 

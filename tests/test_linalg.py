@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import blas_threads_seen
 
 from fedorth.optim import linalg
 
@@ -159,3 +160,39 @@ def test_states_refreshed_on_the_host_are_found_by_their_mark():
     ]:
         state = jax.eval_shape(tx.init, params)
         assert linalg.state_refreshed_on_host(state) is expected, tx
+
+
+@pytest.mark.cpu_devices
+def test_a_host_call_gets_the_cores_its_program_leaves_it(monkeypatch):
+    """FEDORTH_LAPACK_THREADS=auto: a program on one CPU device (a sequential round) waits for
+    its host call, which then gets every core; a program over d devices, which may be inside d
+    calls at once, gives each cores // d. The process's own setting is back after the call."""
+    from jax.sharding import PartitionSpec as P
+    from threadpoolctl import threadpool_info
+
+    monkeypatch.setenv("FEDORTH_LAPACK_THREADS", "auto")
+    monkeypatch.setattr(linalg.os, "sched_getaffinity", lambda pid: {0, 1})
+    seen = blas_threads_seen(monkeypatch)
+    x = _batch((2, 6, 6), seed=5)
+    x = x @ jnp.swapaxes(x, -1, -2)
+    # Fresh functions: jit's caches would reuse other tests' lowerings (and their counts).
+    jax.block_until_ready(jax.jit(lambda m: linalg.eigh(m))(x))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    sharded = jax.jit(
+        jax.shard_map(
+            lambda m: linalg.eigh(m), mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False
+        )
+    )
+    jax.block_until_ready(sharded(x))
+    assert seen == [2, 1, 1], seen
+    assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+    monkeypatch.setenv("FEDORTH_LAPACK_THREADS", "3")
+    jax.block_until_ready(jax.jit(lambda m: linalg.eigh(m))(x))
+    assert seen[-1] == 3
+
+
+def test_a_bad_lapack_thread_count_names_the_variable(monkeypatch):
+    for value in ("0", "two", "-1"):
+        monkeypatch.setenv("FEDORTH_LAPACK_THREADS", value)
+        with pytest.raises(ValueError, match=f"FEDORTH_LAPACK_THREADS='{value}' must be"):
+            jax.jit(lambda m: linalg.qr(m)).lower(jnp.ones((3, 2)))

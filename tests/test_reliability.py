@@ -271,6 +271,26 @@ def test_bad_config_is_rejected_with_field_value_and_valid_range(overrides, expe
     assert len(message.splitlines()) == 2, f"one problem, one line:\n{message}"
 
 
+def lapack_threads_message() -> str:
+    before = os.environ.get("FEDORTH_LAPACK_THREADS")
+    os.environ["FEDORTH_LAPACK_THREADS"] = "many"
+    try:
+        return "error: " + config_error({})
+    finally:
+        os.environ["FEDORTH_LAPACK_THREADS"] = before if before is not None else "1"
+
+
+def test_a_bad_lapack_thread_count_is_a_config_problem(tmp_path):
+    """FEDORTH_LAPACK_THREADS is read when the round is lowered; the run checks it with the
+    config, so a bad value is one line before anything is loaded or compiled."""
+    message = lapack_threads_message()
+    assert message.splitlines()[1:] == [
+        "  FEDORTH_LAPACK_THREADS='many' must be a thread count >= 1 or 'auto' (the cores "
+        "divided by the round's CPU devices)."
+    ], message
+    assert_documented(LAPACK_THREADS, message, tmp_path)
+
+
 def test_every_problem_is_reported_at_once():
     message = config_error({"fed.rounds": 0, "optim.name": "adam", "eval_every": -1})
     assert len(message.splitlines()) == 4, message
@@ -1212,6 +1232,7 @@ ROUNDS_COSINE = (
     "(exit code 1; with a constant or step schedule the run is extended instead)"
 )
 INTERRUPTED = "Ctrl-C during round 4 with `checkpoint_every=2` (exit code 130)"
+LAPACK_THREADS = "`FEDORTH_LAPACK_THREADS=many` in the environment (exit code 2)"
 # Workdir, results, signals, disk (section 6).
 LOCKED = (
     "a second run on a workdir while a run holds it (exit code 1; a killed holder does not block)"
@@ -1405,6 +1426,7 @@ def write_doc() -> None:
                 corrupted_checkpoint_warning(tmp / "w", Caplog()),
             )[1],
         ),
+        (LAPACK_THREADS, lambda tmp: lapack_threads_message()),
     ):
         with tempfile.TemporaryDirectory() as tmp:
             runtime.append(_row(description, make(pathlib.Path(tmp)), pathlib.Path(tmp)))

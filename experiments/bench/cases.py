@@ -14,21 +14,22 @@ from experiments.bench.budget import Budget, time_repeats
 from experiments.bench.jax_loop import JaxLoopRunner, unsupported
 from experiments.bench.runners import FedorthRunner, TorchRunner, torch_available
 from experiments.bench.workloads import Case, case_data
-from fedorth import fed
 
 
 def runner_specs(case: Case, args) -> list[tuple]:
-    """What runs `case`, one entry per row: ("fedorth", strategy, conv_impl, unroll) or (peer,)."""
+    """What runs `case`, one entry per row: ("fedorth", strategy, conv_impl, unroll,
+    lapack_threads) or (peer,)."""
     impls = case.impls if case.impls is not None else ("fedorth", *args.peers)
     conv_impls = args.conv_impls if case.workload.conv else [None]
     specs: list[tuple] = []
     for impl in impls:
         if impl == "fedorth":
             specs += [
-                ("fedorth", strategy, conv_impl, unroll)
+                ("fedorth", strategy, conv_impl, unroll, threads)
                 for strategy in args.strategies
                 for conv_impl in conv_impls
                 for unroll in args.unrolls
+                for threads in args.lapack_threads
             ]
         else:
             specs.append((impl,))
@@ -39,17 +40,23 @@ def make_runner(spec: tuple, case: Case, data, fed_data):
     """Builds the runner of `spec`; raises `Skip` with the reason when it cannot run here."""
     kind = spec[0]
     if kind == "fedorth":
-        _, strategy, conv_impl, unroll = spec
+        _, strategy, conv_impl, unroll, threads = spec
         try:
             return FedorthRunner(
-                case, data, fed_data, strategy=strategy, conv_impl=conv_impl, unroll=unroll
+                case,
+                data,
+                fed_data,
+                strategy=strategy,
+                conv_impl=conv_impl,
+                unroll=unroll,
+                lapack_threads=threads,
             )
         except ValueError as err:
             if "dtype" in str(err):
                 raise Skip(str(err)) from err
             raise
     if kind == "jax_loop":
-        why = unsupported(fed.get_algorithm(case.algorithm, case.optim))
+        why = unsupported(case.fed_algorithm())
         if why is not None:
             raise Skip(f"{why} ({case.algorithm})")
         # XLA's own convolution: the loop's fastest (no loop body around it, nothing batched).
@@ -70,6 +77,7 @@ def make_row(case: Case, runner, times: list[float], warm: dict[str, Any]) -> di
     row = {
         "workload": case.workload_name,
         "algorithm": case.algorithm,
+        "aligned": case.aligned_mode,
         "clients_per_round": case.clients_per_round,
         "local_steps": case.local_steps,
         "batch_size": case.batch_size,

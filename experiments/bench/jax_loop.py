@@ -139,7 +139,7 @@ class JaxLoopRunner:
         self.case, self.fed_data = case, fed_data
         self.settings = {"strategy": "python loop", "conv_impl": conv_impl, "unroll": "-"}
         model = build_model(case.workload, conv_impl, case.dtype)
-        algorithm = fed.get_algorithm(case.algorithm, case.optim)
+        algorithm = case.fed_algorithm()
         config = fed.RoundConfig(
             num_clients=case.num_clients,
             clients_per_round=case.clients_per_round,

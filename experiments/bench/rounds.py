@@ -4,7 +4,9 @@
         [--algorithms fedavg,fedpac_muon,fedpac_soap,fedpac_sophia] [--clients 10,100]
         [--local-steps 5,50] [--batch-size 50] [--dtypes float32,bfloat16]
         [--strategies auto,vmap,chunked,sequential,sharded] [--conv-impls auto,lax,matmul,canonical]
-        [--unrolls 1,True] [--peers torch,torch_amp,jax_loop] [--repeats 3] [--budget-s 500]
+        [--unrolls 1,True] [--lapack-threads 1,auto] [--peers torch,torch_amp,jax_loop]
+        [--aligned theta|state]
+        [--repeats 3] [--budget-s 500]
         [--preset targets] [--isolate] [--memory] [--micro] [--scaling] [--no-rounds]
         [--json out.json] [--quick]
 
@@ -25,6 +27,12 @@ of 64 examples, mini-batches of B drawn with replacement):
 * ``torch``: the PyTorch peer (benchmarks/torch_peer.py), clients in a Python loop, with
   ``torch.set_num_threads`` equal to the cores JAX uses; ``torch_amp``: the same peer in
   channels_last + bfloat16 autocast (what a performance-minded PyTorch user writes).
+
+FedPAC rows run one alignment mode on every side, ``--aligned`` (fedorth's
+``fed.options.aligned``, default ``theta``, the header's ``fedpac_aligned`` line and each row's
+``aligned``): ``theta`` warm-starts the preconditioner ``Theta`` only, so each client's SOAP
+round opens with the update-free call that rebuilds ``Q`` by ``eigh`` (one per factor, client
+and round); ``state`` warm-starts the whole state (no such call after round 1).
 
 Every implementation is warmed up (fedorth: round 1 compiles; its compile time is what JAX's
 ``/jax/core/compile/*`` monitoring events report), then the implementations run one round each in
@@ -82,6 +90,7 @@ from experiments.bench.runners import torch_available
 from experiments.bench.sections import memory_section, micro_section, scaling_section
 from experiments.bench.workloads import (
     ALGORITHMS,
+    ALIGNED,
     DTYPES,
     PEERS,
     WORKLOADS,
@@ -90,6 +99,7 @@ from experiments.bench.workloads import (
 )
 from fedorth import fed
 from fedorth.models.layers import CONV_IMPLS
+from fedorth.optim import linalg
 
 
 def _csv(text: str) -> list[str]:
@@ -112,7 +122,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--conv-impls", default="auto", help="lax,matmul,canonical,auto")
     parser.add_argument("--unrolls", default="1", help="local-step scan unroll: 1,True or n")
     parser.add_argument(
+        "--lapack-threads",
+        default="",
+        help="fedorth rows per FEDORTH_LAPACK_THREADS value, e.g. 1,auto: the OpenBLAS threads "
+        "of a host LAPACK call (default: the environment's, else auto)",
+    )
+    parser.add_argument(
         "--peers", default="torch,jax_loop", help="torch,torch_amp,jax_loop or none"
+    )
+    parser.add_argument(
+        "--aligned",
+        choices=ALIGNED,
+        default="theta",
+        help="FedPAC's fed.options.aligned, run by fedorth and every peer alike: theta (Theta "
+        "only, fedorth's default) or state (the whole optimizer state)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per implementation")
     parser.add_argument(
@@ -159,6 +182,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 setattr(args, key, value)
     for name in ("workloads", "algorithms", "strategies", "conv_impls", "peers", "dtypes"):
         setattr(args, name, _csv(getattr(args, name)))
+    args.lapack_threads = _csv(args.lapack_threads) or [None]
+    for value in args.lapack_threads:
+        if value is not None and value != "auto" and not (value.isdigit() and int(value) >= 1):
+            raise ValueError(f"--lapack-threads={value!r}; valid: a count >= 1 or auto.")
     args.peers = [p for p in args.peers if p != "none"]
     args.clients = [int(c) for c in _csv(args.clients)]
     args.local_steps = [int(k) for k in _csv(args.local_steps)]
@@ -180,9 +207,9 @@ def make_cases(args) -> list[Case]:
     if args.no_rounds:
         return []
     if args.preset is not None:
-        return list(PRESETS[args.preset])
+        return [dataclasses.replace(case, aligned=args.aligned) for case in PRESETS[args.preset]]
     return [
-        Case(workload, algorithm, s, k, args.batch_size, dtype)
+        Case(workload, algorithm, s, k, args.batch_size, dtype, aligned=args.aligned)
         for workload in args.workloads
         for algorithm in args.algorithms
         for s in args.clients
@@ -278,6 +305,16 @@ def main(argv: list[str]) -> int:
         "cpu_threads": threads,
         "jax": jax.__version__,
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "lapack_threads": os.environ.get(linalg.THREADS_ENV, "auto")
+        + f" (FEDORTH_LAPACK_THREADS; auto = {linalg.host_threads(1)} on one device)",
+        "fedpac_aligned": (
+            f"{args.aligned} (fed.options.aligned; fedorth and every peer run it"
+            + (
+                ": Theta only, each SOAP round opens with the update-free eigh call)"
+                if args.aligned == "theta"
+                else ": the whole optimizer state)"
+            )
+        ),
         "command": "python -m experiments.bench round " + " ".join(argv),
         "commit": project_commit(),
         "budget_s": args.budget_s,

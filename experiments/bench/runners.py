@@ -8,7 +8,9 @@ compile time and what else it measures), ``run() -> seconds`` (one synchronized 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import pathlib
 import sys
 import time
@@ -25,6 +27,7 @@ from fedorth import fed
 from fedorth.fed.execution import client_conv_trace_mode
 from fedorth.fed.metrics import tree_bytes
 from fedorth.models.layers import resolve_conv_impl
+from fedorth.optim import linalg
 
 # The PyTorch peer's module in this checkout (benchmarks/ is not a package).
 TORCH_PEER = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "torch_peer.py"
@@ -35,12 +38,17 @@ class FedorthRunner:
 
     kind = "fedorth"
 
-    def __init__(self, case: Case, data, fed_data, *, strategy, conv_impl, unroll):
+    def __init__(
+        self, case: Case, data, fed_data, *, strategy, conv_impl, unroll, lapack_threads=None
+    ):
         self.case, self.fed_data = case, fed_data
         self.conv_impl = conv_impl
+        # FEDORTH_LAPACK_THREADS while the round is lowered (None: the environment's); the
+        # host calls keep the count they were lowered with (fedorth.optim.linalg).
+        self.lapack_threads = lapack_threads
         s = case.clients_per_round
         self.model = build_model(case.workload, self.conv_impl, case.dtype)
-        self.algorithm = fed.get_algorithm(case.algorithm, case.optim)
+        self.algorithm = case.fed_algorithm()
         config = fed.RoundConfig(
             num_clients=case.num_clients,
             clients_per_round=s,
@@ -85,14 +93,35 @@ class FedorthRunner:
                 conv_impl = f"{conv_impl}→{used}"
         if resolved != strategy:
             strategy = f"{strategy}→{resolved}"
-        return {"strategy": strategy, "conv_impl": conv_impl, "unroll": self.asked["unroll"]}
+        threads = self.lapack_threads or os.environ.get(linalg.THREADS_ENV, "auto")
+        return {
+            "strategy": strategy,
+            "conv_impl": conv_impl,
+            "unroll": self.asked["unroll"],
+            "lapack_threads": threads,
+        }
+
+    @contextlib.contextmanager
+    def _lowering_env(self):
+        """``FEDORTH_LAPACK_THREADS`` set to the row's count while its round is lowered."""
+        before = os.environ.get(linalg.THREADS_ENV)
+        if self.lapack_threads is not None:
+            os.environ[linalg.THREADS_ENV] = self.lapack_threads
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(linalg.THREADS_ENV, None)
+            else:
+                os.environ[linalg.THREADS_ENV] = before
 
     def warmup(self) -> dict[str, Any]:
         count0, seconds0 = compile_counter()
         before = jax.tree.leaves(self.server.params)
         start = time.perf_counter()
-        self.server, _ = self.round_fn(self.server, self.fed_data)
-        jax.block_until_ready(self.server)
+        with self._lowering_env():
+            self.server, _ = self.round_fn(self.server, self.fed_data)
+            jax.block_until_ready(self.server)
         first = time.perf_counter() - start
         count1, seconds1 = compile_counter()
         self.settings = self._settings()  # after a measured "auto" has chosen
@@ -166,6 +195,7 @@ class TorchRunner:
             batch_size=case.batch_size,
             learning_rate=case.optim["learning_rate"],
             beta=FEDPAC_BETA,
+            aligned=case.aligned,
             device=self.device,
             amp=amp,
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedorth import models
+from fedorth import fed, models
 from fedorth.data.federated import make_federated, sample_batch
 
 
@@ -51,6 +51,8 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedpac_sophia": {"name": "sophia", "learning_rate": 0.05},
 }
 FEDPAC_BETA = 0.5  # fedorth.fed.algorithms.fedpac default; the torch peer uses the same
+# FedPAC's fed.options.aligned, which every implementation of a case runs (``--aligned``).
+ALIGNED = ("theta", "state")
 EXAMPLES_PER_CLIENT = 64
 PEERS = ("torch", "torch_amp", "jax_loop")
 DTYPES = ("float32", "bfloat16")
@@ -93,6 +95,9 @@ class Case:
     # What runs this case: "fedorth" (one row per strategy × conv_impl × unroll asked for) and
     # peers ("torch", "torch_amp", "jax_loop"); None: fedorth and the --peers.
     impls: tuple[str, ...] | None = None
+    # FedPAC's fed.options.aligned (fedorth's default "theta": Theta only, each SOAP round opens
+    # with the update-free eigh call; "state": the whole state); the peers run the same.
+    aligned: str = "theta"
 
     @property
     def workload(self) -> Workload:
@@ -113,6 +118,16 @@ class Case:
     @property
     def optim(self) -> dict[str, Any]:
         return ALGORITHMS[self.algorithm]
+
+    @property
+    def aligned_mode(self) -> str | None:
+        """``aligned`` where the algorithm aligns optimizer states (FedPAC), else None."""
+        return self.aligned if self.algorithm.startswith("fedpac") else None
+
+    def fed_algorithm(self):
+        """``fed.get_algorithm`` of the case, in its FedPAC alignment mode."""
+        options = {} if self.aligned_mode is None else {"aligned": self.aligned_mode}
+        return fed.get_algorithm(self.algorithm, self.optim, **options)
 
     def batch_fn(self, data, client, key):
         return sample_batch(data, client, key, self.batch_size)

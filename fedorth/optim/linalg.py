@@ -23,7 +23,17 @@ eigenvector and singular-vector signs are LAPACK's and may differ between the tw
 OpenBLAS threads spin while XLA's threads are busy: set ``OPENBLAS_NUM_THREADS=1`` before
 NumPy/SciPy are imported (``experiments/__init__.py``, for every ``python -m experiments.*``,
 and the tests do) -- measured 8 s instead of 121 s of CPU for the ``local_soap`` default on
-2 cores.
+2 cores. A host call itself may use more threads: while it runs, the XLA program that made it
+waits for it, so a program on one CPU device (a ``sequential`` round) leaves the host's cores
+to the call, and one sharded over ``d`` devices runs up to ``d`` calls at once.
+:func:`host_threads` says how many OpenBLAS threads one call gets (``FEDORTH_LAPACK_THREADS``;
+by default the cores divided by the program's devices), set around the call with
+threadpoolctl. OpenBLAS's multi-threaded float32 ``eigh``/``qr`` round differently from its
+one-thread ones (the same bytes run after run at a given count, not across counts), so the
+count is a function of the settings and the program alone, never of the load, and calls with
+more than one thread run one at a time (a concurrent call would change the process-wide count
+under them). The tests pin ``FEDORTH_LAPACK_THREADS=1`` (tests/conftest.py), the count their
+recorded bytes were made with.
 
 Float64 inputs use the native kernels on every backend: they only occur with ``jax_enable_x64``
 (the float64 reference tests), and under the thread-local ``jax.enable_x64`` context JAX checks a
@@ -31,6 +41,9 @@ callback's outputs in its callback thread, where x64 is off, and rejects float64
 """
 
 from __future__ import annotations
+
+import os
+import threading
 
 import jax
 import jax.extend.core
@@ -80,12 +93,58 @@ def _host_impl(x, *, fn, shapes):  # eager calls, outside any jit
     return tuple(jnp.asarray(o) for o in _cast(fn(np.asarray(x)), [d for _, d in shapes]))
 
 
+THREADS_ENV = "FEDORTH_LAPACK_THREADS"
+_THREADED = threading.Lock()  # host calls with more than one thread run one at a time
+_CONTROLLER = []  # threadpoolctl's controller, made at the first threaded call (BLAS loaded)
+
+
+def host_threads(devices: int = 1) -> int:
+    """OpenBLAS threads of one host call made by an XLA program over ``devices`` CPU devices.
+
+    ``FEDORTH_LAPACK_THREADS``: a count, or ``auto`` (default): the cores this process may run
+    on divided by ``devices`` (at least 1), since each device may be inside a call at once and
+    the program waits for its calls.
+    """
+    value = os.environ.get(THREADS_ENV, "auto").strip()
+    if value == "auto":
+        return max(1, len(os.sched_getaffinity(0)) // max(1, devices))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{THREADS_ENV}={value!r} must be a thread count >= 1 or 'auto' (the cores divided "
+            "by the round's CPU devices)."
+        )
+    return int(value)
+
+
+def _with_threads(fn, threads: int, x):
+    """``fn(x)`` with ``threads`` OpenBLAS threads (module docstring)."""
+    if threads == 1 and os.environ.get("OPENBLAS_NUM_THREADS") == "1":
+        return fn(x)  # the process's own setting: nothing to change
+    from threadpoolctl import ThreadpoolController
+
+    with _THREADED:
+        if not _CONTROLLER:
+            _CONTROLLER.append(ThreadpoolController())
+        with _CONTROLLER[0].limit(limits=threads, user_api="blas"):
+            return fn(x)
+
+
+def _program_devices(axis_context) -> int:
+    """The CPU devices of the program being lowered (each may run a host call at once)."""
+    mesh = getattr(axis_context, "mesh", None)  # shard_map: one call per device
+    if mesh is not None:
+        return int(mesh.size)
+    return int(getattr(axis_context, "num_devices", 1) or 1)
+
+
 def _host_lowering(ctx, x, *, fn, shapes):
     dtypes = [d for _, d in shapes]
     sharding = _op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+    # Fixed when the program is lowered: its calls' bytes depend on it (module docstring).
+    threads = host_threads(_program_devices(ctx.module_context.axis_context))
     result, _, _ = _emit_python_callback(
         ctx,
-        lambda x: _cast(fn(x), dtypes),
+        lambda x: _cast(_with_threads(fn, threads, x), dtypes),
         None,
         [x],
         ctx.avals_in,

@@ -9,7 +9,9 @@ one per line. Each line names the field, the value and what is valid:
   ``optim.learning_rate > 0``, Dirichlet ``data.alpha > 0``, ``alpha``/``beta`` options in
   ``[0, 1]``, ...);
 * unknown keyword options of the model, dataset loader, partitioner, algorithm or optimizer
-  list the accepted ones.
+  list the accepted ones;
+* the environment's ``FEDORTH_LAPACK_THREADS`` (``fedorth.optim.linalg.host_threads``), read
+  when a round is lowered, is checked with them.
 
 Unknown *config keys* given on the command line are rejected earlier, by the locked config of
 ``experiments/main.py``; a config file that fails to load is one line naming its file and line
@@ -45,6 +47,7 @@ from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.fed import local
 from fedorth.models.layers import MODEL_DTYPES
+from fedorth.optim import linalg
 from fedorth.optim.newton_schulz import NS_DTYPES
 from fedorth.train import builders, privacy, trackers
 from fedorth.train.builders import ConfigError
@@ -281,6 +284,10 @@ def _check_fed(c: _Checker, config) -> None:
 
 def _check_top_level(c: _Checker, config) -> None:
     c.integer("seed", config.get("seed"), 0, 2**32 - 1)
+    try:  # the environment's thread count of host LAPACK calls, read when a round is lowered
+        linalg.host_threads()
+    except ValueError as e:
+        c.fail(str(e))
     for problem in trackers.check(config):
         c.fail(problem)
     for key, low in _TOP_LEVEL_INTS.items():
