@@ -26,7 +26,7 @@ from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
-from fedorth.train import distributed, privacy
+from fedorth.train import distributed, feed, privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -49,6 +49,10 @@ class Experiment:
     round_fn: fed.RoundFn
     init_params: Any
     init_model_state: Any
+    # The training clients read per round (data.stream; fedorth.data.stream), or None: `data`
+    # then holds the test split and the clients' counts, and round r reads
+    # fedorth.train.feed.RoundFeed(...)(r).
+    stream: data_lib.stream_lib.ClientStream | None = None
 
 
 def _to_dict(section: ml_collections.ConfigDict | None) -> dict[str, Any]:
@@ -138,6 +142,31 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
             dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
             validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
             **kwargs,
+        )
+    except data_lib.DataConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_streamed_data(config: ml_collections.ConfigDict, seed: int):
+    """``(data, stream)``: :func:`build_data`'s dataset and None, or for a dataset with natural
+    clients that ``data.stream`` streams, the dataset without its training examples and the
+    :class:`fedorth.data.stream.ClientStream` the rounds read them from."""
+    cfg = config.data
+    try:
+        mode = data_lib.stream_lib.stream_mode(cfg.get("stream", "auto"))
+    except data_lib.DataConfigError as e:
+        raise ConfigError(str(e)) from None
+    if mode is False or not data_lib.has_natural_clients(cfg.name) or cfg.partition != "natural":
+        return build_data(config, seed), None  # which refuses a natural dataset's partition
+    try:
+        return data_lib.load_streamed(
+            cfg.name,
+            num_clients=int(cfg.num_clients),
+            seed=seed,
+            stream=mode,
+            data_dir=cfg.get("data_dir"),
+            dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
+            validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
         )
     except data_lib.DataConfigError as e:
         raise ConfigError(str(e)) from None
@@ -279,7 +308,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     )
     check_files(config)  # before the data are loaded
     _check_tokenizer(config)
-    fed_data = build_data(config, seed)
+    fed_data, stream = build_streamed_data(config, seed)
     model = build_model(config, fed_data)
     example = fed_data.x_train[:2]
     if image_size(config):  # the model sees batches resized on device (make_batch_fn)
@@ -312,7 +341,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     # mesh: placed once here, not copied every round.
     fed_data = round_fn.place(fed_data)
     return Experiment(
-        config, fed_data, model, algorithm, round_config, round_fn, params, model_state
+        config, fed_data, model, algorithm, round_config, round_fn, params, model_state, stream
     )
 
 
@@ -449,6 +478,41 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     )
     return DryBuild(
         config, model, algorithm, round_config, round_fn, shape, params, model_state, server
+    )
+
+
+def refuse_stream(experiment: Experiment) -> Experiment:
+    """``experiment``, unless its training clients are streamed (``data.stream``): a sweep's
+    replicas each hold their data loaded whole.
+
+    Raises:
+      ConfigError: one line naming ``data.stream`` and the fix.
+    """
+    if experiment.stream is None:
+        return experiment
+    experiment.stream.close()
+    raise ConfigError(
+        f"data.stream streams data.name={experiment.config.data.name!r} "
+        f"({experiment.stream.nbytes / 2**30:.1f} GiB of training examples), and a sweep's "
+        "replicas hold their data loaded whole: sweep it with --config.data.stream=false if "
+        "the replicas fit in memory, or run each setting as its own run (experiments.main)."
+    )
+
+
+def round_feed(experiment: Experiment, server: fed.ServerState):
+    """The :class:`fedorth.train.feed.RoundFeed` of a run: ``feed(r)`` is what round ``r``
+    reads (``experiment.data``, or a streamed round's sampled clients, the next round's
+    prefetched with ``data.prefetch``)."""
+    config = experiment.config
+    return feed.RoundFeed(
+        experiment.data,
+        experiment.stream,
+        server.key,
+        experiment.round_config.num_clients,
+        experiment.round_config.clients_per_round,
+        prefetch=bool(config.data.get("prefetch", True)),
+        place=experiment.round_fn.place,
+        rounds=int(config.fed.rounds),
     )
 
 
