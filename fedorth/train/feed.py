@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedorth.data import DataConfigError, FederatedData
+from fedorth.data import FederatedData
 from fedorth.data.stream import ClientStream
 from fedorth.fed.context import sample_clients
 
@@ -104,17 +104,21 @@ class RoundFeed:
         while read.is_alive():
             read.join(0.2)  # short joins: Ctrl-C reaches the main thread while it waits
         if read.error is not None:
-            error = read.error
-            if isinstance(error, DataConfigError):
-                raise error
-            cause = str(error).splitlines()[0] if str(error) else ""
-            raise StreamReadError(
-                f"reading the clients of round {read.round_index + 1} from "
-                f"{self.stream.file.path} failed in the prefetch thread "
-                f"({type(error).__name__}: {cause}); rerun with --config.data.prefetch=False "
-                "to read them in the main thread."
-            ) from None
+            raise self._failed(read.round_index, read.error, in_thread=True) from None
         return read.result
+
+    def _failed(self, round_index: int, error: BaseException, in_thread: bool):
+        cause = str(error).splitlines()[0] if str(error) else ""
+        where = " in the prefetch thread" if in_thread else ""
+        fix = (
+            "rerun with --config.data.prefetch=False to read them in the main thread."
+            if in_thread
+            else "check the file, or rerun with --config.data.stream=false to load it whole."
+        )
+        return StreamReadError(
+            f"reading the clients of round {round_index + 1} from {self.stream.file.path} "
+            f"failed{where} ({type(error).__name__}: {cause}); {fix}"
+        )
 
     def __call__(self, round_index: int) -> FederatedData:
         if self.stream is None:
@@ -129,7 +133,10 @@ class RoundFeed:
         else:
             data = None
         if data is None:
-            data = self._read(round_index)
+            try:
+                data = self._read(round_index)
+            except Exception as error:  # noqa: BLE001 - one line naming the round and file
+                raise self._failed(round_index, error, in_thread=False) from None
         self._last = (round_index, data)
         if self._prefetch and (self._rounds is None or round_index + 1 < self._rounds):
             self._pending = _Read(self._read, round_index + 1)

@@ -59,6 +59,7 @@ from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
 from fedorth.train import builders, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import feed as feed_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
@@ -110,6 +111,7 @@ USER_ERRORS = (
     fed.RoundOutOfMemoryError,
     trackers_lib.TrackerError,
     RoundPlacementError,
+    feed_lib.StreamReadError,
 )
 """Errors caused by the input, not by fedorth: the CLI prints their message without a traceback."""
 
