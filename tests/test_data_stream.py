@@ -65,6 +65,8 @@ def assert_same_batches(whole, base, stream, clients_per_round: int, rounds: int
     np.testing.assert_array_equal(whole.client_size, base.client_size)
     assert whole.max_client_size == base.max_client_size == stream.max_size
     np.testing.assert_array_equal(whole.x_test, base.x_test)
+    if whole.test_client is not None:
+        np.testing.assert_array_equal(whole.test_client, base.test_client)
     np.testing.assert_array_equal(whole.x_train[:2], base.x_train)
     key = jax.random.key(3)
     samplers = [
@@ -101,7 +103,10 @@ def test_streamed_shakespeare_and_stackoverflow_sqlite_equal_loaded_whole(tmp_pa
         write_fedjax_sqlite(tmp_path / f"stackoverflow_{split}.sqlite", stack_clients())
     # Shakespeare's windows are not one per snippet: the index converts each client once.
     assert_same_batches(*whole_and_streamed("shakespeare", tmp_path, 4), 2)
-    assert_same_batches(*whole_and_streamed("stackoverflow", tmp_path, 2, vocab_size=6), 1)
+    # max_test: the same test examples drawn, without pooling every test client.
+    so = whole_and_streamed("stackoverflow", tmp_path, 2, vocab_size=6, max_test=2)
+    assert so[1].x_test.shape[0] == 2
+    assert_same_batches(*so, 1)
 
 
 def write_parquet(path, rows, row_group_size=None):

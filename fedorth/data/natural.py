@@ -667,6 +667,30 @@ def _subsample_test(test: Split, max_test: int | None, seed: int) -> Split:
     return test._replace(x=test.x[keep], y=test.y[keep], client=test.client[keep])
 
 
+def _read_test_subset(file: ClientFile, to_examples, num_clients, max_test: int, seed: int):
+    """:func:`_subsample_test` of the pooled test clients without pooling them: the same
+    ``max_test`` positions drawn from the file's counts, and only the clients holding them
+    read (StackOverflow's 16.6 M test examples are never loaded together)."""
+    ids = _first_ids(file, num_clients, "data.dataset_kwargs.num_test_clients")
+    counts = file.counts(ids)
+    total = int(counts.sum())
+    if max_test >= total:
+        what = "data.dataset_kwargs.num_test_clients"
+        return read_clients(file, to_examples, num_clients=num_clients, skip_empty=True, what=what)
+    keep = np.sort(np.random.default_rng(seed).choice(total, max_test, replace=False))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    owners = np.searchsorted(starts, keep, side="right") - 1
+    rank = np.cumsum(counts > 0) - 1  # a client's index among the non-empty ones
+    xs, ys = [], []
+    for owner in np.unique(owners).tolist():
+        x, y = to_examples(file.read(ids[owner]))
+        positions = keep[owners == owner] - starts[owner]
+        xs.append(x[positions])
+        ys.append(y[positions])
+    names = [c for c, n in zip(ids, counts.tolist(), strict=True) if n > 0]
+    return Split(np.concatenate(xs), np.concatenate(ys), rank[owners].astype(np.int32), names)
+
+
 class Selection(NamedTuple):
     """The arguments every natural loader shares: where the files are, which clients, and
     whether the training clients are streamed (``fedorth.data.stream``)."""
@@ -735,13 +759,16 @@ def _load(
         if stream is None:
             train = read_clients(train_file, to_examples, num_clients=num_clients)
         with open_client_file(test_path) as test_file:
-            test = read_clients(
-                test_file,
-                to_examples,
-                num_clients=num_test_clients,
-                skip_empty=True,
-                what="data.dataset_kwargs.num_test_clients",
-            )
+            if stream is not None and per_record and max_test is not None:
+                test = _read_test_subset(test_file, to_examples, num_test_clients, max_test, seed)
+            else:
+                test = read_clients(
+                    test_file,
+                    to_examples,
+                    num_clients=num_test_clients,
+                    skip_empty=True,
+                    what="data.dataset_kwargs.num_test_clients",
+                )
     except BaseException:
         train_file.close()
         raise
