@@ -119,17 +119,20 @@ def stream_section(
     index_s = time.perf_counter() - start
     rss_index = _rss_bytes()
     key = jax.random.key(0)
-    feed = feed_lib.RoundFeed(base, stream, key, num_clients, clients_per_round, prefetch=False)
-    jax.block_until_ready(feed(0))  # the sampler's compilation, outside the timing
-    examples, start, cpu_start = 0, time.perf_counter(), time.process_time()
+    feed_lib.round_clients(key, 0, num_clients, clients_per_round)  # compiled outside the timing
+    examples, sample_s, read_s, read_cpu_s = 0, 0.0, 0.0, 0.0
     for r in range(1, rounds + 1):
-        round_data = feed(r)
+        start = time.perf_counter()
+        ids = feed_lib.round_clients(key, r, num_clients, clients_per_round)
+        sample_s += time.perf_counter() - start
+        start, cpu_start = time.perf_counter(), time.process_time()
+        round_data = stream.round_data(base, ids)
         jax.block_until_ready(round_data.x_train)
+        read_s += time.perf_counter() - start
+        read_cpu_s += time.process_time() - cpu_start
         examples += int(np.asarray(round_data.client_size).sum())
-    seconds = time.perf_counter() - start
-    cpu_seconds = time.process_time() - cpu_start
     round_bytes = round_data.x_train.nbytes + round_data.y_train.nbytes
-    feed.close()
+    stream.close()
     return {
         "num_clients": num_clients,
         "clients_per_round": clients_per_round,
@@ -141,13 +144,16 @@ def stream_section(
         "num_examples": stream.num_examples,
         "max_examples_per_client": stream.max_size,
         "index_s": index_s,
-        "clients_per_s": clients_per_round * rounds / seconds,
-        "examples_per_s": examples / seconds,
-        "round_s": seconds / rounds,
+        # The round's sampler (jax.random.choice without replacement: a permutation of the N
+        # ids, O(N)), which the feed runs to know a round's clients ahead.
+        "sample_s": sample_s / rounds,
+        "clients_per_s": clients_per_round * rounds / read_s,
+        "examples_per_s": examples / read_s,
+        "round_s": read_s / rounds,
         # Per second of the process's CPU time: the rate of a core of its own, where the
         # machine's cores are shared (wall-clock rates then fall with the others' load).
-        "clients_per_cpu_s": clients_per_round * rounds / cpu_seconds,
-        "examples_per_cpu_s": examples / cpu_seconds,
+        "clients_per_cpu_s": clients_per_round * rounds / read_cpu_s,
+        "examples_per_cpu_s": examples / read_cpu_s,
         "round_bytes": round_bytes,
         "loaded_whole_bytes": stream.nbytes,
         "rss_start_bytes": rss_start,
@@ -182,6 +188,7 @@ def main(argv: list[str]) -> int:
     print("| what | value |\n| --- | --- |")
     print(f"| backend | {result['backend']} |")
     print(f"| index of every client (ids, counts) | {result['index_s']:.1f} s |")
+    print(f"| sampling a round's clients (O(N)) | {result['sample_s']:.3f} s |")
     print(f"| clients streamed | {result['clients_per_s']:.0f} /s |")
     print(f"| examples streamed | {result['examples_per_s']:.0f} /s |")
     print(f"| clients streamed per CPU second | {result['clients_per_cpu_s']:.0f} |")
