@@ -42,10 +42,11 @@ The datasets (``data.name``), each with ``data.partition='natural'``:
 * ``parquet``: any parquet files with a client column (``client_column``), an input column
   (images as encoded PNG/JPEG bytes or arrays, or numeric lists) and an integer label column.
 
-The padding id 0 stays in the windows as a target: a ``task="lm"`` model of
-``fedorth.models`` counts it in its loss and accuracy unless it masks it, whereas TFF's reported
-accuracy leaves it out (its ``MaskedCategoricalAccuracy``), so compare accuracies with a model
-that masks padding.
+The padding id 0 stays in the windows as a target, as in TFF's. A run on ``shakespeare`` or
+``stackoverflow`` (``fedorth.train.builders.build_model``) builds its ``task="lm"`` model with
+``pad_id=0``: its accuracy leaves the padded targets out, as TFF reports it
+(``MaskedCategoricalAccuracy(masked_tokens=[pad])``), and its loss counts them, as TFF's
+``SparseCategoricalCrossentropy`` does.
 
 ``data.num_clients = N`` takes the first ``N`` clients in the file's order above (every client:
 ``N`` = the number in the file, which a larger ``N`` names). Only those clients are read. The

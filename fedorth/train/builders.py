@@ -177,6 +177,10 @@ def image_size(config: ml_collections.ConfigDict) -> int:
     return int(config.data.get("image_size", 0) or 0)
 
 
+# Natural next-token datasets whose windows are padded with id 0 (fedorth.data.natural): their
+# accuracy leaves the padded targets out, as TFF reports it.
+PADDED_LM_DATASETS = ("shakespeare", "stackoverflow")
+
 # model.* keys that wrap the model in LoRA adapters (fedorth.models.lora); lora_rank 0 = off.
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_trainable")
 
@@ -205,7 +209,12 @@ def build_model(config: ml_collections.ConfigDict, fed_data: data_lib.FederatedD
             )
     elif "num_classes" not in kwargs and config.model.get("task") != "lm":
         kwargs["num_classes"] = fed_data.num_classes
-    return models.get_model(name, **kwargs)
+    model = models.get_model(name, **kwargs)
+    dataset = (config.get("data") or {}).get("name")
+    if dataset in PADDED_LM_DATASETS and isinstance(model, models.Model):
+        if model.task == "lm":  # TFF's accuracy leaves the padding out (models.Model.pad_id)
+            model = dataclasses.replace(model, pad_id=0)
+    return model
 
 
 def make_batch_fn(config: ml_collections.ConfigDict):
@@ -565,8 +574,9 @@ def make_eval_fn(experiment: Experiment):
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
         count = jnp.maximum(sums["count"], 1.0)
         out = {"test_loss": sums["loss_sum"] / count}
-        if "correct" in sums:
-            out["test_accuracy"] = sums["correct"] / count
+        if "correct" in sums:  # a model with pad_id counts the accuracy over unpadded targets
+            scored = jnp.maximum(sums.get("accuracy_count", sums["count"]), 1.0)
+            out["test_accuracy"] = sums["correct"] / scored
         if per_example is not None:
             out["per_example"] = per_example
         return out
@@ -620,6 +630,8 @@ def make_client_sums_fn(experiment: Experiment, batch_size: int, resize_batch):
     num_test = fed_data.x_test.shape[0]
     model = experiment.model
     keys = ("loss_sum", "correct", "count")
+    if getattr(model, "pad_id", None) is not None and model.task == "lm":
+        keys += ("accuracy_count",)
 
     @jax.jit
     def sums(params, model_state, data):
@@ -656,7 +668,8 @@ def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
     """Mean and spread over the test clients of each client's loss and accuracy.
 
     Client ``c``'s loss is ``loss_sum[c] / count[c]`` and its accuracy ``correct[c] / count[c]``
-    (clients without test examples are left out); each is summarized by its unweighted mean
+    (``correct[c] / accuracy_count[c]`` for a model with ``pad_id``; clients without test
+    examples are left out); each is summarized by its unweighted mean
     over clients, standard deviation (``ddof=0``), and 10th and 90th percentiles:
     ``test_loss_client_mean``, ``test_loss_client_std``, ``test_loss_client_p10``,
     ``test_loss_client_p90`` and the same for ``test_accuracy_client_*``, plus
@@ -664,9 +677,10 @@ def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
     """
     count = np.asarray(sums["count"], np.float64)
     present = count > 0
+    scored = np.maximum(np.asarray(sums.get("accuracy_count", count), np.float64), 1.0)
     out = {"test_clients": float(present.sum())}
-    for name, key in (("loss", "loss_sum"), ("accuracy", "correct")):
-        values = np.asarray(sums[key], np.float64)[present] / count[present]
+    for name, key, denominator in (("loss", "loss_sum", count), ("accuracy", "correct", scored)):
+        values = np.asarray(sums[key], np.float64)[present] / denominator[present]
         out[f"test_{name}_client_mean"] = float(values.mean())
         out[f"test_{name}_client_std"] = float(values.std())
         out[f"test_{name}_client_p10"] = float(np.percentile(values, 10))
