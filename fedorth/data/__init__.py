@@ -32,6 +32,7 @@ from fedorth.data.embedded import load_digits, load_synthetic, synthetic
 from fedorth.data.federated import (
     DataConfigError,
     FederatedData,
+    client_num_examples,
     client_permutation,
     make_federated,
     num_test_batches,
@@ -49,6 +50,7 @@ __all__ = [
     "DataConfigError",
     "DatasetNotPreparedError",
     "FederatedData",
+    "client_num_examples",
     "client_permutation",
     "embedded",
     "has_natural_clients",

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "DataConfigError",
     "FederatedData",
+    "client_num_examples",
     "client_permutation",
     "make_federated",
     "num_test_batches",
@@ -43,7 +44,8 @@ class FederatedData:
       y_train: ``[M, ...]`` training targets (``[M]`` int32 class labels for classification).
       client_index: ``[N, max_size]`` int32 rows of indices into ``x_train``; entries at positions
         ``>= client_size[i]`` are padding (0) and never sampled.
-      client_size: ``[N]`` int32 true number of examples of each client (all ``>= 1``).
+      client_size: ``[N]`` int32 true number of examples of each client (all ``>= 1``); in a
+        streamed round ``[S]``, by row (:func:`client_num_examples` reads either by client id).
       x_test: ``[T, ...]`` centralized test inputs.
       y_test: ``[T, ...]`` test targets.
       num_classes: number of classes (vocabulary size for language modelling); static.
@@ -169,6 +171,12 @@ def _row(data: FederatedData, client):
     return jnp.searchsorted(data.round_clients, client).astype(jnp.int32)
 
 
+def client_num_examples(data: FederatedData, client) -> jax.Array:
+    """Client ``client``'s number of examples (``client`` a global id, may be traced): read
+    through this, not ``client_size[client]``, whose rows a streamed round orders by rank."""
+    return data.client_size[_row(data, client)]
+
+
 def _gather(data: FederatedData, client, positions) -> dict[str, jax.Array]:
     rows = data.client_index[_row(data, client)][positions]
     return _with_frozen(data, {"x": data.x_train[rows], "y": data.y_train[rows]})
@@ -190,7 +198,7 @@ def sample_batch(data: FederatedData, client, key, batch_size: int) -> dict[str,
     Returns:
       ``{"x": [B, ...], "y": [B, ...]}``.
     """
-    size = data.client_size[_row(data, client)]
+    size = client_num_examples(data, client)
     positions = jax.random.randint(key, (batch_size,), 0, size, dtype=jnp.int32)
     return _gather(data, client, positions)
 
@@ -211,7 +219,7 @@ def client_permutation(data: FederatedData, client, key) -> jax.Array:
       ``[max_size]`` int32 positions into ``client_index[client]``.
     """
     perm = jax.random.permutation(key, data.max_client_size).astype(jnp.int32)
-    padded = perm >= data.client_size[_row(data, client)]
+    padded = perm >= client_num_examples(data, client)
     return perm[jnp.argsort(padded, stable=True)]
 
 
@@ -239,7 +247,7 @@ def sample_batch_without_replacement(
     """
     perm = client_permutation(data, client, key)
     slots = jnp.asarray(step, jnp.int32) * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
-    return _gather(data, client, perm[slots % data.client_size[_row(data, client)]])
+    return _gather(data, client, perm[slots % client_num_examples(data, client)])
 
 
 def num_test_batches(data: FederatedData, batch_size: int) -> int:
