@@ -33,7 +33,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.data.partition_kwargs = ml_collections.ConfigDict()  # partitioner options
     # Natural-client datasets (emnist, shakespeare, stackoverflow, ...): "true" reads each
     # round's sampled clients from the files (fedorth.data.stream), "false" loads every client,
-    # "auto" streams when the training examples exceed 1 GiB. Other datasets load whole.
+    # "auto" streams when the training examples exceed 4 GiB. Other datasets load whole.
     config.data.stream = "auto"
     config.data.prefetch = True  # streamed: read the next round's clients in a thread
 

@@ -823,7 +823,7 @@ def load_emnist(
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
       stream: read the training clients per round instead of loading them
-        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 1 GiB).
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 ``[M, 28, 28, 1]`` pixels as stored,
@@ -864,7 +864,7 @@ def load_shakespeare(
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test windows.
       stream: read the training clients per round instead of loading them
-        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 1 GiB).
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: int32 windows ``[M, sequence_length + 1]``
@@ -909,7 +909,7 @@ def load_stackoverflow(
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
       stream: read the training clients per round instead of loading them
-        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 1 GiB).
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
       num_held_out_clients: the first this many users of ``stackoverflow_held_out.h5`` (or
         ``.sqlite``; TFF's users with ``user_id % 10 == 0``, none of them in the training file)
         pooled as the validation split (``val_loss``, ``val_accuracy``); 0: none.
@@ -985,7 +985,7 @@ def load_cifar100_pachinko(
       num_test_clients: pool only the first this many test clients (None: all 100).
       max_test: keep a uniform random subset of this many pooled test images.
       stream: read the training clients per round instead of loading them
-        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 1 GiB).
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 ``[M, 32, 32, 3]`` normalized
@@ -1064,7 +1064,7 @@ def load_parquet(
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
       stream: read the training clients per round instead of loading them
-        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 1 GiB).
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 inputs, int32 labels.

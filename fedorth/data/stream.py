@@ -29,7 +29,7 @@ __all__ = ["STREAM_ABOVE_BYTES", "STREAM_MODES", "ClientStream", "base_data", "s
 
 # data.stream="auto" streams a natural dataset whose training examples take more than this
 # (as the arrays the round reads: float32 pixels, int32 ids) and loads smaller ones whole.
-STREAM_ABOVE_BYTES = 1 << 30
+STREAM_ABOVE_BYTES = 4 << 30
 STREAM_MODES = ("auto", "true", "false")
 
 
@@ -47,7 +47,7 @@ def stream_mode(value) -> bool | str:
         raise DataConfigError(
             f"data.stream={value!r}; valid: auto, true, false (true reads each round's sampled "
             "clients from a natural dataset's files, false loads every client, auto streams "
-            "above 1 GiB of training examples)."
+            "above 4 GiB of training examples)."
         )
     return "auto" if mode == "auto" else mode == "true"
 
