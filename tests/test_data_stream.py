@@ -213,6 +213,31 @@ def test_the_reader_reads_the_sampled_clients_only(tmp_path):
     feed.close()
 
 
+SWEEP_STREAMED = "a sweep of a streamed dataset (`data.stream=true`, `emnist`)"
+
+
+def test_a_sweep_refuses_a_streamed_dataset_in_one_line(tmp_path):
+    from fedorth.train import builders
+    from tests.test_reliability import tiny_config
+
+    write_emnist(tmp_path, write_fedjax_sqlite, ".sqlite")
+    config = tiny_config(
+        **{
+            "data.name": "emnist",
+            "data.data_dir": str(tmp_path),
+            "data.partition": "natural",
+            "data.num_clients": 10,
+            "data.stream": "true",
+        }
+    )
+    experiment = builders.build(config)
+    with pytest.raises(builders.ConfigError) as info:
+        builders.refuse_stream(experiment)
+    documented(SWEEP_STREAMED, "error: " + str(info.value), tmp_path)
+    config.data.stream = "false"
+    assert builders.refuse_stream(builders.build(config)).stream is None
+
+
 STREAM_VALUE = "`data.stream='yes'`"
 STREAM_UNNATURAL = "`data.stream='true'` on `data.name='digits'`"
 

@@ -501,10 +501,10 @@ def refuse_stream(experiment: Experiment) -> Experiment:
         return experiment
     experiment.stream.close()
     raise ConfigError(
-        f"data.stream streams data.name={experiment.config.data.name!r} "
-        f"({experiment.stream.nbytes / 2**30:.1f} GiB of training examples), and a sweep's "
-        "replicas hold their data loaded whole: sweep it with --config.data.stream=false if "
-        "the replicas fit in memory, or run each setting as its own run (experiments.main)."
+        f"data.stream streams data.name={experiment.config.data.name!r} (its training clients "
+        "are read per round), and a sweep's replicas hold their data loaded whole: sweep it "
+        "with --config.data.stream=false if the replicas fit in memory, or run each setting "
+        "as its own run (experiments.main)."
     )
 
 
