@@ -462,7 +462,6 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     ``fed.init_server``: optimizer, control-variate and per-client states). Paper presets whose
     data is not prepared on this machine can be checked this way.
     """
-    seed = int(config.seed)
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
@@ -473,7 +472,6 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
         shape = (image_size(config), image_size(config), *shape[2:])
     model_json = json.dumps(_to_dict(config.model), sort_keys=True, default=str)
     model, params, model_state = _model_shapes(model_json, shape, jnp.dtype(dtype), num_classes)
-    _, run_key = jax.random.split(jax.random.key(seed))
     num_clients = int(config.data.num_clients)
     round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
@@ -483,7 +481,7 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
         ),
         params,
         model_state,
-        run_key,
+        run_key(config),
     )
     return DryBuild(
         config, model, algorithm, round_config, round_fn, shape, params, model_state, server
@@ -508,15 +506,23 @@ def refuse_stream(experiment: Experiment) -> Experiment:
     )
 
 
-def round_feed(experiment: Experiment, server: fed.ServerState):
+def run_key(config: ml_collections.ConfigDict) -> jax.Array:
+    """The server state's key (``ServerState.key``, fixed for the run): it drives sampling,
+    batches and dropout."""
+    _, key = jax.random.split(jax.random.key(int(config.seed)))
+    return key
+
+
+def round_feed(experiment: Experiment):
     """The :class:`fedorth.train.feed.RoundFeed` of a run: ``feed(r)`` is what round ``r``
     reads (``experiment.data``, or a streamed round's sampled clients, the next round's
-    prefetched with ``data.prefetch``)."""
+    prefetched with ``data.prefetch``). The rounds' clients come from :func:`run_key`, made
+    here on the host (every process of a run makes the same)."""
     config = experiment.config
     return feed.RoundFeed(
         experiment.data,
         experiment.stream,
-        server.key,
+        run_key(config),
         experiment.round_config.num_clients,
         experiment.round_config.clients_per_round,
         prefetch=bool(config.data.get("prefetch", True)),
@@ -527,13 +533,12 @@ def round_feed(experiment: Experiment, server: fed.ServerState):
 
 def init_server(experiment: Experiment) -> fed.ServerState:
     """The server state of round 0; its key drives sampling, batches and dropout."""
-    _, run_key = jax.random.split(jax.random.key(int(experiment.config.seed)))
     server = fed.init_server(
         experiment.algorithm,
         experiment.init_params,
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
-        key=run_key,
+        key=run_key(experiment.config),
         privacy=experiment.round_config.privacy,
     )
     return experiment.round_fn.place(server)

@@ -541,7 +541,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     )
     experiment = builders.build(config)
     server = builders.init_server(experiment)
-    feed = builders.round_feed(experiment, server)
+    feed = builders.round_feed(experiment)
     try:
         return _run_feed(config, workdir, files, experiment, server, writer, feed)
     finally:
