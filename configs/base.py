@@ -31,6 +31,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.data.data_dir = config_dict.placeholder(str)
     config.data.dataset_kwargs = ml_collections.ConfigDict()  # loader options (max_train, ...)
     config.data.partition_kwargs = ml_collections.ConfigDict()  # partitioner options
+    # Natural-client datasets (emnist, shakespeare, stackoverflow, ...): "true" reads each
+    # round's sampled clients from the files (fedorth.data.stream), "false" loads every client,
+    # "auto" streams when the training examples exceed 4 GiB. Other datasets load whole.
+    config.data.stream = "auto"
+    config.data.prefetch = True  # streamed: read the next round's clients in a thread
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "mlp"  # fedorth.models.MODELS

@@ -27,10 +27,12 @@ import numpy as np
 
 from fedorth.data import embedded, glue, heavy_tailed, natural, tfds
 from fedorth.data import partition as partition_lib
+from fedorth.data import stream as stream_lib
 from fedorth.data.embedded import load_digits, load_synthetic, synthetic
 from fedorth.data.federated import (
     DataConfigError,
     FederatedData,
+    client_num_examples,
     client_permutation,
     make_federated,
     num_test_batches,
@@ -48,6 +50,7 @@ __all__ = [
     "DataConfigError",
     "DatasetNotPreparedError",
     "FederatedData",
+    "client_num_examples",
     "client_permutation",
     "embedded",
     "has_natural_clients",
@@ -55,10 +58,12 @@ __all__ = [
     "load_dataset",
     "load_digits",
     "load_federated",
+    "load_streamed",
     "load_synthetic",
     "make_federated",
     "natural",
     "natural_partition_message",
+    "not_streamed_message",
     "num_test_batches",
     "partition_lib",
     "sample_batch",
@@ -254,12 +259,80 @@ def _natural_federated(x_train, y_train, x_test, y_test, meta, seed, validation_
     data = make_federated(
         x_train, y_train, x_test, y_test, parts, meta["name"], meta["num_classes"]
     )
+    return _with_held_out(data, meta, held_out)
+
+
+def not_streamed_message(name: str) -> str:
+    """The one line refusing ``data.stream=true`` for dataset ``name``, which has no natural
+    clients."""
+    return (
+        f"data.stream=true reads a dataset's clients from its files, and data.name={name!r} "
+        f"has no natural clients ({', '.join(natural.LOADERS)} have): set data.stream=auto or "
+        "false."
+    )
+
+
+def _with_held_out(data: FederatedData, meta, held_out) -> FederatedData:
     if meta.get("test_client_ids") is not None:
         data = data.replace(test_client=jnp.asarray(meta["test_client_ids"], jnp.int32))
     if held_out is not None:
         x_val, y_val = held_out
         data = data.replace(x_val=jnp.asarray(x_val), y_val=jnp.asarray(y_val))
     return data
+
+
+def load_streamed(
+    name: str,
+    *,
+    num_clients: int,
+    seed: int,
+    stream: bool | str = "auto",
+    data_dir=None,
+    dataset_kwargs: dict[str, Any] | None = None,
+    validation_fraction: float = 0.0,
+) -> tuple[FederatedData, stream_lib.ClientStream | None]:
+    """A dataset with natural clients whose training clients are read per round
+    (:mod:`fedorth.data.stream`).
+
+    Args:
+      name: a dataset with natural clients (:func:`has_natural_clients`).
+      num_clients: its first ``num_clients`` clients, in the file's order.
+      seed: NumPy seed of the test subsample.
+      stream: ``data.stream`` (``stream.stream_mode``): true streams; ``"auto"`` streams when
+        the training examples exceed ``stream.STREAM_ABOVE_BYTES`` and loads them whole
+        otherwise; false loads them whole.
+      data_dir: the folder holding the files.
+      dataset_kwargs: options for the loader.
+      validation_fraction: must be 0 when streamed (a held-out fraction of examples needs every
+        example); the held-out clients of StackOverflow are a validation split that streams.
+
+    Returns:
+      ``(data, stream)``: with a stream, ``data`` is :func:`stream.base_data` (the test split,
+      the clients' counts, no training example) and each round reads
+      ``stream.round_data(data, ids)``; without, ``data`` is :func:`load_federated`'s and
+      ``stream`` is None.
+    """
+    stream = stream_lib.stream_mode(stream)
+    if not has_natural_clients(name):
+        raise DataConfigError(not_streamed_message(name))
+    kwargs = {**(dataset_kwargs or {}), "num_clients": num_clients, "stream": stream}
+    x_train, y_train, x_test, y_test, meta = load_dataset(
+        name, data_dir=data_dir, seed=seed, **kwargs
+    )
+    streamed = meta.get("stream")
+    if streamed is None:
+        data = _natural_federated(x_train, y_train, x_test, y_test, meta, seed, validation_fraction)
+        return data, None
+    if validation_fraction:
+        streamed.close()
+        raise DataConfigError(
+            f"data.validation_fraction={validation_fraction} holds out examples of every client, "
+            f"which a streamed data.name={name!r} never loads together: set it to 0, or "
+            "data.stream=false to load the clients whole."
+        )
+    data = stream_lib.base_data(streamed, x_test, y_test, meta["name"], meta["num_classes"])
+    held_out = (meta["x_val"], meta["y_val"]) if "x_val" in meta else None
+    return _with_held_out(data, meta, held_out), streamed
 
 
 def _hold_out(x_train, y_train, fraction: float, seed: int, *, with_kept: bool = False):

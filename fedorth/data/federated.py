@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "DataConfigError",
     "FederatedData",
+    "client_num_examples",
     "client_permutation",
     "make_federated",
     "num_test_batches",
@@ -43,7 +44,8 @@ class FederatedData:
       y_train: ``[M, ...]`` training targets (``[M]`` int32 class labels for classification).
       client_index: ``[N, max_size]`` int32 rows of indices into ``x_train``; entries at positions
         ``>= client_size[i]`` are padding (0) and never sampled.
-      client_size: ``[N]`` int32 true number of examples of each client (all ``>= 1``).
+      client_size: ``[N]`` int32 true number of examples of each client (all ``>= 1``); in a
+        streamed round ``[S]``, by row (:func:`client_num_examples` reads either by client id).
       x_test: ``[T, ...]`` centralized test inputs.
       y_test: ``[T, ...]`` test targets.
       num_classes: number of classes (vocabulary size for language modelling); static.
@@ -58,6 +60,10 @@ class FederatedData:
       test_client: ``[T]`` int32 client of each test example where the test split has clients
         (datasets with natural clients, ``fedorth.data.natural``), or None; per-client
         evaluation (``eval_per_client``) groups the test examples by it.
+      round_clients: ``[S]`` int32 sorted ids of the clients whose examples this dataset holds
+        when it holds one round's sampled clients only (a streamed round,
+        ``fedorth.data.stream``): row ``j`` of ``client_index`` is client ``round_clients[j]``;
+        None: row ``i`` is client ``i``.
     """
 
     x_train: jax.Array
@@ -72,10 +78,11 @@ class FederatedData:
     x_val: jax.Array | None = None
     y_val: jax.Array | None = None
     test_client: jax.Array | None = None
+    round_clients: jax.Array | None = None
 
     @property
     def num_clients(self) -> int:
-        return self.client_index.shape[0]
+        return self.client_size.shape[0]
 
     @property
     def max_client_size(self) -> int:
@@ -156,8 +163,22 @@ def _with_frozen(data: FederatedData, batch: dict[str, Any]) -> dict[str, Any]:
     return {**batch, "frozen": data.frozen_params}
 
 
+def _row(data: FederatedData, client):
+    """The row of ``client_index`` that holds ``client``: the sampled ids of a streamed round
+    are sorted, so the row is the id's rank among them."""
+    if data.round_clients is None:
+        return client
+    return jnp.searchsorted(data.round_clients, client).astype(jnp.int32)
+
+
+def client_num_examples(data: FederatedData, client) -> jax.Array:
+    """Client ``client``'s number of examples (``client`` a global id, may be traced): read
+    through this, not ``client_size[client]``, whose rows a streamed round orders by rank."""
+    return data.client_size[_row(data, client)]
+
+
 def _gather(data: FederatedData, client, positions) -> dict[str, jax.Array]:
-    rows = data.client_index[client][positions]
+    rows = data.client_index[_row(data, client)][positions]
     return _with_frozen(data, {"x": data.x_train[rows], "y": data.y_train[rows]})
 
 
@@ -177,7 +198,8 @@ def sample_batch(data: FederatedData, client, key, batch_size: int) -> dict[str,
     Returns:
       ``{"x": [B, ...], "y": [B, ...]}``.
     """
-    positions = jax.random.randint(key, (batch_size,), 0, data.client_size[client], dtype=jnp.int32)
+    size = client_num_examples(data, client)
+    positions = jax.random.randint(key, (batch_size,), 0, size, dtype=jnp.int32)
     return _gather(data, client, positions)
 
 
@@ -197,7 +219,7 @@ def client_permutation(data: FederatedData, client, key) -> jax.Array:
       ``[max_size]`` int32 positions into ``client_index[client]``.
     """
     perm = jax.random.permutation(key, data.max_client_size).astype(jnp.int32)
-    padded = perm >= data.client_size[client]
+    padded = perm >= client_num_examples(data, client)
     return perm[jnp.argsort(padded, stable=True)]
 
 
@@ -225,7 +247,7 @@ def sample_batch_without_replacement(
     """
     perm = client_permutation(data, client, key)
     slots = jnp.asarray(step, jnp.int32) * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
-    return _gather(data, client, perm[slots % data.client_size[client]])
+    return _gather(data, client, perm[slots % client_num_examples(data, client)])
 
 
 def num_test_batches(data: FederatedData, batch_size: int) -> int:

@@ -42,10 +42,11 @@ The datasets (``data.name``), each with ``data.partition='natural'``:
 * ``parquet``: any parquet files with a client column (``client_column``), an input column
   (images as encoded PNG/JPEG bytes or arrays, or numeric lists) and an integer label column.
 
-The padding id 0 stays in the windows as a target: a ``task="lm"`` model of
-``fedorth.models`` counts it in its loss and accuracy unless it masks it, whereas TFF's reported
-accuracy leaves it out (its ``MaskedCategoricalAccuracy``), so compare accuracies with a model
-that masks padding.
+The padding id 0 stays in the windows as a target, as in TFF's. A run on ``shakespeare`` or
+``stackoverflow`` (``fedorth.train.builders.build_model``) builds its ``task="lm"`` model with
+``pad_id=0``: its accuracy leaves the padded targets out, as TFF reports it
+(``MaskedCategoricalAccuracy(masked_tokens=[pad])``), and its loss counts them, as TFF's
+``SparseCategoricalCrossentropy`` does.
 
 ``data.num_clients = N`` takes the first ``N`` clients in the file's order above (every client:
 ``N`` = the number in the file, which a larger ``N`` names). Only those clients are read. The
@@ -69,6 +70,7 @@ import numpy as np
 from absl import logging
 
 from fedorth.data.federated import DataConfigError
+from fedorth.data.stream import STREAM_ABOVE_BYTES, ClientStream
 from fedorth.data.tfds import IMAGE_STATS, DatasetNotPreparedError, images_to_float
 from fedorth.data.tfds import resolve_data_dir as _resolve_data_dir
 
@@ -128,6 +130,11 @@ class ClientFile:
     def read(self, client_id: str) -> Mapping[str, np.ndarray]:
         raise NotImplementedError
 
+    def counts(self, client_ids: Sequence[str]) -> np.ndarray:
+        """``[len(client_ids)]`` int64 records per client, from the file's index (no example is
+        read)."""
+        return np.array([len(next(iter(self.read(c).values()))) for c in client_ids], np.int64)
+
     def close(self) -> None:
         pass
 
@@ -176,6 +183,15 @@ class HDF5ClientFile(ClientFile):
                 "TFF's files hold examples/<client_id>/<feature>."
             )
         return _HDF5Features(group)
+
+    def counts(self, client_ids: Sequence[str]) -> np.ndarray:
+        out = np.zeros(len(client_ids), np.int64)
+        for i, client_id in enumerate(client_ids):
+            group = self._examples[client_id]
+            for name in group:  # the first feature's length: a dataset's shape is metadata
+                out[i] = group[name].shape[0]
+                break
+        return out
 
 
 class _HDF5Features(Mapping):
@@ -230,7 +246,11 @@ class SQLiteClientFile(ClientFile):
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        self._connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        # Read by one thread at a time: the round prefetch's (fedorth.data.stream) after the
+        # index is built in the caller's.
+        self._connection = sqlite3.connect(
+            f"file:{path}?mode=ro", uri=True, check_same_thread=False
+        )
         try:
             columns = [
                 row[1] for row in self._connection.execute("PRAGMA table_info(federated_data)")
@@ -254,6 +274,13 @@ class SQLiteClientFile(ClientFile):
     def client_ids(self) -> list[str]:
         rows = self._connection.execute("SELECT client_id FROM federated_data ORDER BY rowid")
         return [_as_str(row[0]) for row in rows]
+
+    def counts(self, client_ids: Sequence[str]) -> np.ndarray:
+        rows = self._connection.execute(
+            "SELECT client_id, num_examples FROM federated_data ORDER BY rowid"
+        )
+        stored = {_as_str(client_id): count for client_id, count in rows}
+        return np.array([stored[c] for c in client_ids], np.int64)
 
     def read(self, client_id: str) -> dict[str, np.ndarray]:
         row = self._connection.execute(
@@ -281,24 +308,39 @@ def _as_str(value) -> str:
 
 class ParquetClientFile(ClientFile):
     """One row per example and a client column; clients in sorted id order (``client_column``
-    None: every row in one client, ``"all"``)."""
+    None: every row in one client, ``"all"``).
 
-    def __init__(self, path: pathlib.Path, client_column: str | None):
+    ``by_row_group=True`` keeps only an index (each client's row groups and number of rows,
+    built from the client column) and reads a client's row groups when the client is read: a
+    file too large for memory streams, fastest when each client's rows sit in few row groups
+    (a file written sorted by client)."""
+
+    def __init__(self, path: pathlib.Path, client_column: str | None, *, by_row_group=False):
         _require("pyarrow", path)
         parquet = importlib.import_module("pyarrow.parquet")
         self.path = path
+        self._cached: tuple[int, Any] | None = None
         try:
-            table = parquet.read_table(path)
+            if by_row_group and client_column is not None:
+                self._file = parquet.ParquetFile(path)
+                names = self._file.schema_arrow.names
+            else:
+                table = parquet.read_table(path)
+                names = table.column_names
         except Exception as e:  # noqa: BLE001 - pyarrow's own errors: not a parquet file
             raise WrongLayoutError(f"{path} is not a parquet file ({e}).") from None
         if client_column is None:
             self._table, self._rows = table, {"all": np.arange(table.num_rows)}
             return
-        if client_column not in table.column_names:
+        if client_column not in names:
             raise WrongLayoutError(
                 f"{path} has no column {client_column!r} naming the client "
-                f"(data.dataset_kwargs.client_column); its columns: {table.column_names}."
+                f"(data.dataset_kwargs.client_column); its columns: {names}."
             )
+        self._column = client_column
+        if by_row_group:
+            self._index_row_groups()
+            return
         self._table = table
         owners = np.asarray([_as_str(v) for v in table.column(client_column).to_pylist()])
         ids, inverse = np.unique(owners, return_inverse=True)
@@ -306,21 +348,53 @@ class ParquetClientFile(ClientFile):
         starts = np.searchsorted(inverse[order], np.arange(ids.size + 1))
         self._rows = {str(cid): order[starts[i] : starts[i + 1]] for i, cid in enumerate(ids)}
 
+    def _index_row_groups(self) -> None:
+        groups: dict[str, list[int]] = {}
+        sizes: Counter = Counter()
+        for group in range(self._file.num_row_groups):
+            column = self._file.read_row_group(group, columns=[self._column]).column(0)
+            for owner, count in Counter(_as_str(v) for v in column.to_pylist()).items():
+                groups.setdefault(owner, []).append(group)
+                sizes[owner] += count
+        self._groups = {owner: groups[owner] for owner in sorted(groups)}
+        self._sizes = sizes
+        self._rows = None
+
     def client_ids(self) -> list[str]:
-        return list(self._rows)
+        return list(self._groups if self._rows is None else self._rows)
+
+    def counts(self, client_ids: Sequence[str]) -> np.ndarray:
+        if self._rows is None:
+            return np.array([self._sizes[c] for c in client_ids], np.int64)
+        return np.array([self._rows[c].size for c in client_ids], np.int64)
+
+    def _row_group(self, group: int):
+        if self._cached is None or self._cached[0] != group:
+            self._cached = (group, self._file.read_row_group(group))
+        return self._cached[1]
 
     def read(self, client_id: str) -> dict[str, np.ndarray]:
-        rows = self._table.take(self._rows[client_id])
-        out = {}
-        for name in rows.column_names:
-            values = rows.column(name).to_pylist()
-            if values and isinstance(values[0], dict) and "bytes" in values[0]:
-                values = [v["bytes"] for v in values]  # Hugging Face's Image feature
-            if values and isinstance(values[0], str | bytes):
-                out[name] = _text_array(values)
-            else:
-                out[name] = np.asarray(values)
-        return out
+        if self._rows is not None:
+            return _parquet_columns(self._table.take(self._rows[client_id]))
+        pieces = []
+        for group in self._groups[client_id]:
+            table = self._row_group(group)
+            owners = np.asarray([_as_str(v) for v in table.column(self._column).to_pylist()])
+            pieces.append(table.take(np.flatnonzero(owners == client_id)))
+        return _parquet_columns(importlib.import_module("pyarrow").concat_tables(pieces))
+
+
+def _parquet_columns(rows) -> dict[str, np.ndarray]:
+    out = {}
+    for name in rows.column_names:
+        values = rows.column(name).to_pylist()
+        if values and isinstance(values[0], dict) and "bytes" in values[0]:
+            values = [v["bytes"] for v in values]  # Hugging Face's Image feature
+        if values and isinstance(values[0], str | bytes):
+            out[name] = _text_array(values)
+        else:
+            out[name] = np.asarray(values)
+    return out
 
 
 def open_client_file(path, *, client_column: str | None = None) -> ClientFile:
@@ -372,16 +446,7 @@ def read_clients(
     Returns:
       A :class:`Split`.
     """
-    ids = file.client_ids()
-    if not ids:
-        raise WrongLayoutError(f"{file.path} holds no clients.")
-    if num_clients is not None:
-        if num_clients > len(ids):
-            raise DataConfigError(
-                f"{what}={num_clients} but {file.path} holds {len(ids)} clients: set "
-                f"{what} <= {len(ids)} (the first N clients in the file's order are used)."
-            )
-        ids = ids[:num_clients]
+    ids = _first_ids(file, num_clients, what)
     xs, ys, owners, names = [], [], [], []
     for client_id in ids:
         try:
@@ -603,14 +668,40 @@ def _subsample_test(test: Split, max_test: int | None, seed: int) -> Split:
     return test._replace(x=test.x[keep], y=test.y[keep], client=test.client[keep])
 
 
+def _read_test_subset(file: ClientFile, to_examples, num_clients, max_test: int, seed: int):
+    """:func:`_subsample_test` of the pooled test clients without pooling them: the same
+    ``max_test`` positions drawn from the file's counts, and only the clients holding them
+    read (StackOverflow's 16.6 M test examples are never loaded together)."""
+    ids = _first_ids(file, num_clients, "data.dataset_kwargs.num_test_clients")
+    counts = file.counts(ids)
+    total = int(counts.sum())
+    if max_test >= total:
+        what = "data.dataset_kwargs.num_test_clients"
+        return read_clients(file, to_examples, num_clients=num_clients, skip_empty=True, what=what)
+    keep = np.sort(np.random.default_rng(seed).choice(total, max_test, replace=False))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    owners = np.searchsorted(starts, keep, side="right") - 1
+    rank = np.cumsum(counts > 0) - 1  # a client's index among the non-empty ones
+    xs, ys = [], []
+    for owner in np.unique(owners).tolist():
+        x, y = to_examples(file.read(ids[owner]))
+        positions = keep[owners == owner] - starts[owner]
+        xs.append(x[positions])
+        ys.append(y[positions])
+    names = [c for c, n in zip(ids, counts.tolist(), strict=True) if n > 0]
+    return Split(np.concatenate(xs), np.concatenate(ys), rank[owners].astype(np.int32), names)
+
+
 class Selection(NamedTuple):
-    """The arguments every natural loader shares: where the files are and which clients."""
+    """The arguments every natural loader shares: where the files are, which clients, and
+    whether the training clients are streamed (``fedorth.data.stream``)."""
 
     data_dir: Any
     seed: int
     num_clients: int | None
     num_test_clients: int | None
     max_test: int | None
+    stream: bool | str = False
 
 
 def _lm_meta(name: str, vocab_size: int, sequence_length: int) -> dict[str, Any]:
@@ -623,27 +714,71 @@ def _lm_meta(name: str, vocab_size: int, sequence_length: int) -> dict[str, Any]
     }
 
 
+def _first_ids(file: ClientFile, num_clients: int | None, what: str) -> list[str]:
+    ids = file.client_ids()
+    if not ids:
+        raise WrongLayoutError(f"{file.path} holds no clients.")
+    if num_clients is not None and num_clients > len(ids):
+        raise DataConfigError(
+            f"{what}={num_clients} but {file.path} holds {len(ids)} clients: set "
+            f"{what} <= {len(ids)} (the first N clients in the file's order are used)."
+        )
+    return ids if num_clients is None else ids[:num_clients]
+
+
+def _stream(
+    file: ClientFile, num_clients, to_examples, mode: bool | str, per_record: bool
+) -> ClientStream | None:
+    """The training clients as a :class:`ClientStream` when ``mode`` (``data.stream``) says
+    so: True, or ``"auto"`` with more than ``STREAM_ABOVE_BYTES`` of examples; else None."""
+    if mode is False:
+        return None
+    ids = _first_ids(file, num_clients, "data.num_clients")
+    stream = ClientStream(file, ids, to_examples, per_record=per_record)
+    if mode == "auto" and stream.nbytes <= STREAM_ABOVE_BYTES:
+        return None
+    return stream
+
+
 def _load(
     source: str,
     to_examples,
     meta: dict[str, Any],
     selection: Selection,
     vocab_fn: Callable[[ClientFile, list[str]], Callable] | None = None,
+    per_record: bool = True,
 ):
-    data_dir, seed, num_clients, num_test_clients, max_test = selection
+    data_dir, seed, num_clients, num_test_clients, max_test, mode = selection
     train_path, test_path = dataset_files(source, data_dir)
-    with open_client_file(train_path) as train_file, open_client_file(test_path) as test_file:
+    train_file = open_client_file(train_path)
+    stream = None
+    try:
         if vocab_fn is not None:
             ids = train_file.client_ids()
             to_examples = vocab_fn(train_file, ids[:num_clients] if num_clients else ids)
-        train = read_clients(train_file, to_examples, num_clients=num_clients)
-        test = read_clients(
-            test_file,
-            to_examples,
-            num_clients=num_test_clients,
-            skip_empty=True,
-            what="data.dataset_kwargs.num_test_clients",
-        )
+        stream = _stream(train_file, num_clients, to_examples, mode, per_record)
+        if stream is None:
+            train = read_clients(train_file, to_examples, num_clients=num_clients)
+        with open_client_file(test_path) as test_file:
+            if stream is not None and per_record and max_test is not None:
+                test = _read_test_subset(test_file, to_examples, num_test_clients, max_test, seed)
+            else:
+                test = read_clients(
+                    test_file,
+                    to_examples,
+                    num_clients=num_test_clients,
+                    skip_empty=True,
+                    what="data.dataset_kwargs.num_test_clients",
+                )
+    except BaseException:
+        train_file.close()
+        raise
+    if stream is None:
+        train_file.close()
+    else:  # the rounds read the file: the stream closes it
+        owners = np.zeros(len(stream.head_x), np.int32)
+        train = Split(stream.head_x, stream.head_y, owners, stream.client_ids)
+        meta = {**meta, "stream": stream}
     test = _subsample_test(test, max_test, seed)
     return _result(train, test, meta, files=(str(train_path), str(test_path)))
 
@@ -675,6 +810,7 @@ def load_emnist(
     only_digits: bool = False,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    stream: bool | str = False,
 ):
     """Federated EMNIST by writer: TFF's ``fed_emnist_{train,test}.h5`` or FedJAX's
     ``federated_emnist_{train,test}.sqlite`` (Caldas et al. 2018, "LEAF"; Cohen et al. 2017).
@@ -686,6 +822,8 @@ def load_emnist(
       only_digits: EMNIST-10 (``fed_emnist_digitsonly_*``) instead of EMNIST-62.
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 ``[M, 28, 28, 1]`` pixels as stored,
@@ -700,7 +838,7 @@ def load_emnist(
             "task": "classification",
             "input_shape": (28, 28, 1),
         },
-        Selection(data_dir, seed, num_clients, num_test_clients, max_test),
+        Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
     )
 
 
@@ -713,6 +851,7 @@ def load_shakespeare(
     sequence_length: int = SHAKESPEARE_SEQUENCE_LENGTH,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    stream: bool | str = False,
 ):
     """Federated Shakespeare by speaking role, next-character prediction (McMahan et al. 2017;
     TFF's ``shakespeare_{train,test}.h5`` or FedJAX's ``shakespeare_{train,test}.sqlite``).
@@ -724,6 +863,8 @@ def load_shakespeare(
       sequence_length: characters predicted per window (TFF's 80).
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test windows.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: int32 windows ``[M, sequence_length + 1]``
@@ -734,7 +875,8 @@ def load_shakespeare(
         "shakespeare",
         functools.partial(_shakespeare_examples, sequence_length=sequence_length),
         _lm_meta("shakespeare", SHAKESPEARE_VOCAB_SIZE, sequence_length),
-        Selection(data_dir, seed, num_clients, num_test_clients, max_test),
+        Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
+        per_record=False,  # a client's snippets are cut into a number of windows
     )
 
 
@@ -748,6 +890,7 @@ def load_stackoverflow(
     sequence_length: int = STACKOVERFLOW_SEQUENCE_LENGTH,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    stream: bool | str = False,
     num_held_out_clients: int = 0,
 ):
     """Federated StackOverflow by user, next-word prediction (TFF's
@@ -765,6 +908,8 @@ def load_stackoverflow(
       sequence_length: words per example (TFF's 20).
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
       num_held_out_clients: the first this many users of ``stackoverflow_held_out.h5`` (or
         ``.sqlite``; TFF's users with ``user_id % 10 == 0``, none of them in the training file)
         pooled as the validation split (``val_loss``, ``val_accuracy``); 0: none.
@@ -790,7 +935,7 @@ def load_stackoverflow(
         "stackoverflow",
         None,
         _lm_meta("stackoverflow", vocab_size + 4, sequence_length),
-        Selection(data_dir, seed, num_clients, num_test_clients, max_test),
+        Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
         with_vocab,
     )
     if num_held_out_clients:
@@ -827,6 +972,7 @@ def load_cifar100_pachinko(
     num_clients: int | None = None,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    stream: bool | str = False,
 ):
     """CIFAR-100 in TFF's Pachinko partition: 500 training clients of 100 images, 100 test
     clients (TFF's ``fed_cifar100_{train,test}.h5`` or FedJAX's
@@ -838,6 +984,8 @@ def load_cifar100_pachinko(
       num_clients: the first ``num_clients`` clients in the file's order (None: all 500).
       num_test_clients: pool only the first this many test clients (None: all 100).
       max_test: keep a uniform random subset of this many pooled test images.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 ``[M, 32, 32, 3]`` normalized
@@ -853,7 +1001,7 @@ def load_cifar100_pachinko(
             "input_shape": (32, 32, 3),
             "mean_std": IMAGE_STATS["cifar100"],
         },
-        Selection(data_dir, seed, num_clients, num_test_clients, max_test),
+        Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
     )
 
 
@@ -893,6 +1041,7 @@ def load_parquet(
     num_classes: int | None = None,
     num_test_clients: int | None = None,
     max_test: int | None = None,
+    stream: bool | str = False,
 ):
     """A classification dataset from parquet files with a client column (flwr-datasets' and the
     Hugging Face hub's layout, e.g. ``flwrlabs/femnist`` with ``client_column="writer_id"``,
@@ -914,6 +1063,8 @@ def load_parquet(
       num_classes: the number of classes (None: the largest training label + 1).
       num_test_clients: pool only the first this many test clients (None: all).
       max_test: keep a uniform random subset of this many pooled test examples.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
 
     Returns:
       ``(x_train, y_train, x_test, y_test, meta)``: float32 inputs, int32 labels.
@@ -930,9 +1081,15 @@ def load_parquet(
     to_examples = functools.partial(
         _parquet_examples, input_column=input_column, label_column=label_column
     )
-    train = read_clients(
-        ParquetClientFile(paths[0], client_column), to_examples, num_clients=num_clients
-    )
+    train_file = ParquetClientFile(paths[0], client_column, by_row_group=stream is not False)
+    streamed = _stream(train_file, num_clients, to_examples, stream, per_record=True)
+    if streamed is None:
+        if stream is not False:  # read whole: one pass over the table, not per row group
+            train_file = ParquetClientFile(paths[0], client_column)
+        train = read_clients(train_file, to_examples, num_clients=num_clients)
+    else:
+        owners = np.zeros(len(streamed.head_x), np.int32)
+        train = Split(streamed.head_x, streamed.head_y, owners, streamed.client_ids)
     _require("pyarrow", paths[1])
     schema = importlib.import_module("pyarrow.parquet").read_schema(paths[1])
     test = read_clients(
@@ -943,8 +1100,19 @@ def load_parquet(
         what="data.dataset_kwargs.num_test_clients",
     )
     test = _subsample_test(test, max_test, seed)
-    classes = int(num_classes) if num_classes else int(train.y.max()) + 1
+    if num_classes:
+        classes = int(num_classes)
+    elif streamed is None:
+        classes = int(train.y.max()) + 1
+    else:
+        raise DataConfigError(
+            "data.dataset_kwargs.num_classes is needed to stream a parquet dataset (the "
+            "largest label is not known before every client is read): set it, or "
+            "data.stream=false."
+        )
     meta = {"name": "parquet", "num_classes": classes, "task": "classification"}
+    if streamed is not None:
+        meta["stream"] = streamed
     meta["input_shape"] = train.x.shape[1:]
     return _result(train, test, meta, files=tuple(map(str, paths)))
 

@@ -61,10 +61,15 @@ class Model:
     Attributes:
       module: the `flax.linen.Module`, called as `module.apply(variables, x, train=...)`.
       task: `"classification"` or `"lm"`.
+      pad_id: for `"lm"`, a token id left out of the accuracy where it is the target (the
+        padding of TFF's Shakespeare and StackOverflow windows: TFF reports
+        `MaskedCategoricalAccuracy(masked_tokens=[pad])`); the loss still counts it, as TFF's
+        `SparseCategoricalCrossentropy` does. None: every target counts.
     """
 
     module: nn.Module
     task: str = "classification"
+    pad_id: int | None = None
 
     def __post_init__(self):
         check_choice("task", self.task, TASKS)
@@ -143,7 +148,15 @@ class Model:
         denominator = jnp.where(count > 0, count, 1.0)
         loss = jnp.sum(losses * mask) / denominator
         metrics = {"loss": loss, "accuracy": jnp.sum(correct * mask) / denominator}
+        if self._pads():
+            scored = mask * (targets != self.pad_id)
+            scored_count = jnp.sum(scored)
+            scored_count = jnp.where(scored_count > 0, scored_count, 1.0)
+            metrics["accuracy"] = jnp.sum(correct * scored) / scored_count
         return loss, (new_state, metrics)
+
+    def _pads(self) -> bool:
+        return self.task == "lm" and self.pad_id is not None
 
     def eval_fn(self, params: PyTree, model_state: PyTree, batch: dict) -> dict:
         """Eval-mode sums over the batch (deterministic: no dropout, BatchNorm running stats).
@@ -157,16 +170,22 @@ class Model:
         Returns:
           `{"loss_sum": Σ mask·ℓ, "correct": Σ mask·[argmax = y], "count": Σ mask}` float32
           scalars; for `"lm"` the sums run over all predicted tokens (count = B·(T−1) unmasked).
+          With `pad_id`, `"correct"` leaves out the padded targets and `"accuracy_count"`
+          counts the others (accuracy = correct / accuracy_count).
         """
         inputs, targets = self._inputs_targets(batch)
         logits = self.predict_fn(params, model_state, inputs)
         losses, correct = _losses(logits, targets)
         mask = _example_mask(batch, losses.shape)
-        return {
+        out = {
             "loss_sum": jnp.sum(losses * mask),
             "correct": jnp.sum(correct * mask),
             "count": jnp.sum(mask),
         }
+        if self._pads():
+            scored = mask * (targets != self.pad_id)
+            out.update(correct=jnp.sum(correct * scored), accuracy_count=jnp.sum(scored))
+        return out
 
 
 def _losses(logits: jnp.ndarray, targets: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -143,7 +143,8 @@ class ReplicaRound:
         self.traced_keys = list(traced_keys)
         self.replicas: list[Replica] = []
         for name, values, config in zip(names, replicas, configs, strict=True):
-            self.replicas.append(Replica(name, dict(values), config, build(config)))
+            experiment = builders.refuse_stream(build(config))
+            self.replicas.append(Replica(name, dict(values), config, experiment))
             if on_build is not None:
                 on_build(len(self.replicas))
         first = self.replicas[0].experiment

@@ -277,7 +277,7 @@ def check_size(config: ml_collections.ConfigDict, grid: Grid, stream) -> None:
     count = grid.count
     samples = grid.samples()
     start = time.perf_counter()
-    experiment = builders.build(grid.replica_config(samples[0]))
+    experiment = builders.refuse_stream(builders.build(grid.replica_config(samples[0])))
     server = builders.init_server(experiment)
     build_s = time.perf_counter() - start
     if len(samples) > 1:  # the first build also starts JAX and reads the data: time another

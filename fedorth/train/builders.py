@@ -26,7 +26,7 @@ from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
-from fedorth.train import distributed, privacy
+from fedorth.train import distributed, feed, privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -49,6 +49,10 @@ class Experiment:
     round_fn: fed.RoundFn
     init_params: Any
     init_model_state: Any
+    # The training clients read per round (data.stream; fedorth.data.stream), or None: `data`
+    # then holds the test split and the clients' counts, and round r reads
+    # fedorth.train.feed.RoundFeed(...)(r).
+    stream: data_lib.stream_lib.ClientStream | None = None
 
 
 def _to_dict(section: ml_collections.ConfigDict | None) -> dict[str, Any]:
@@ -143,10 +147,39 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
         raise ConfigError(str(e)) from None
 
 
+def build_streamed_data(config: ml_collections.ConfigDict, seed: int):
+    """``(data, stream)``: :func:`build_data`'s dataset and None, or for a dataset with natural
+    clients that ``data.stream`` streams, the dataset without its training examples and the
+    :class:`fedorth.data.stream.ClientStream` the rounds read them from."""
+    cfg = config.data
+    try:
+        mode = data_lib.stream_lib.stream_mode(cfg.get("stream", "auto"))
+    except data_lib.DataConfigError as e:
+        raise ConfigError(str(e)) from None
+    if mode is False or not data_lib.has_natural_clients(cfg.name) or cfg.partition != "natural":
+        return build_data(config, seed), None  # which refuses a natural dataset's partition
+    try:
+        return data_lib.load_streamed(
+            cfg.name,
+            num_clients=int(cfg.num_clients),
+            seed=seed,
+            stream=mode,
+            data_dir=cfg.get("data_dir"),
+            dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
+            validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
+        )
+    except data_lib.DataConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def image_size(config: ml_collections.ConfigDict) -> int:
     """``data.image_size``: the side batches are resized to on device (0: native size)."""
     return int(config.data.get("image_size", 0) or 0)
 
+
+# Natural next-token datasets whose windows are padded with id 0 (fedorth.data.natural): their
+# accuracy leaves the padded targets out, as TFF reports it.
+PADDED_LM_DATASETS = ("shakespeare", "stackoverflow")
 
 # model.* keys that wrap the model in LoRA adapters (fedorth.models.lora); lora_rank 0 = off.
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_trainable")
@@ -176,7 +209,12 @@ def build_model(config: ml_collections.ConfigDict, fed_data: data_lib.FederatedD
             )
     elif "num_classes" not in kwargs and config.model.get("task") != "lm":
         kwargs["num_classes"] = fed_data.num_classes
-    return models.get_model(name, **kwargs)
+    model = models.get_model(name, **kwargs)
+    dataset = (config.get("data") or {}).get("name")
+    if dataset in PADDED_LM_DATASETS and isinstance(model, models.Model):
+        if model.task == "lm":  # TFF's accuracy leaves the padding out (models.Model.pad_id)
+            model = dataclasses.replace(model, pad_id=0)
+    return model
 
 
 def make_batch_fn(config: ml_collections.ConfigDict):
@@ -279,7 +317,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     )
     check_files(config)  # before the data are loaded
     _check_tokenizer(config)
-    fed_data = build_data(config, seed)
+    fed_data, stream = build_streamed_data(config, seed)
     model = build_model(config, fed_data)
     example = fed_data.x_train[:2]
     if image_size(config):  # the model sees batches resized on device (make_batch_fn)
@@ -312,7 +350,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     # mesh: placed once here, not copied every round.
     fed_data = round_fn.place(fed_data)
     return Experiment(
-        config, fed_data, model, algorithm, round_config, round_fn, params, model_state
+        config, fed_data, model, algorithm, round_config, round_fn, params, model_state, stream
     )
 
 
@@ -424,7 +462,6 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     ``fed.init_server``: optimizer, control-variate and per-client states). Paper presets whose
     data is not prepared on this machine can be checked this way.
     """
-    seed = int(config.seed)
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
@@ -435,7 +472,6 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
         shape = (image_size(config), image_size(config), *shape[2:])
     model_json = json.dumps(_to_dict(config.model), sort_keys=True, default=str)
     model, params, model_state = _model_shapes(model_json, shape, jnp.dtype(dtype), num_classes)
-    _, run_key = jax.random.split(jax.random.key(seed))
     num_clients = int(config.data.num_clients)
     round_config = make_round_config(config)
     round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
@@ -445,22 +481,64 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
         ),
         params,
         model_state,
-        run_key,
+        run_key(config),
     )
     return DryBuild(
         config, model, algorithm, round_config, round_fn, shape, params, model_state, server
     )
 
 
+def refuse_stream(experiment: Experiment) -> Experiment:
+    """``experiment``, unless its training clients are streamed (``data.stream``): a sweep's
+    replicas each hold their data loaded whole.
+
+    Raises:
+      ConfigError: one line naming ``data.stream`` and the fix.
+    """
+    if experiment.stream is None:
+        return experiment
+    experiment.stream.close()
+    raise ConfigError(
+        f"data.stream streams data.name={experiment.config.data.name!r} (its training clients "
+        "are read per round), and a sweep's replicas hold their data loaded whole: sweep it "
+        "with --config.data.stream=false if the replicas fit in memory, or run each setting "
+        "as its own run (experiments.main)."
+    )
+
+
+def run_key(config: ml_collections.ConfigDict) -> jax.Array:
+    """The server state's key (``ServerState.key``, fixed for the run): it drives sampling,
+    batches and dropout."""
+    _, key = jax.random.split(jax.random.key(int(config.seed)))
+    return key
+
+
+def round_feed(experiment: Experiment):
+    """The :class:`fedorth.train.feed.RoundFeed` of a run: ``feed(r)`` is what round ``r``
+    reads (``experiment.data``, or a streamed round's sampled clients, the next round's
+    prefetched with ``data.prefetch``). The rounds' clients come from :func:`run_key`, made
+    here on the host (every process of a run makes the same)."""
+    config = experiment.config
+    return feed.RoundFeed(
+        experiment.data,
+        experiment.stream,
+        run_key(config),
+        experiment.round_config.num_clients,
+        experiment.round_config.clients_per_round,
+        prefetch=bool(config.data.get("prefetch", True)),
+        place=experiment.round_fn.place,
+        rounds=int(config.fed.rounds),
+    )
+
+
 def init_server(experiment: Experiment) -> fed.ServerState:
     """The server state of round 0; its key drives sampling, batches and dropout."""
-    _, run_key = jax.random.split(jax.random.key(int(experiment.config.seed)))
     server = fed.init_server(
         experiment.algorithm,
         experiment.init_params,
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
-        key=run_key,
+        key=run_key(experiment.config),
         privacy=experiment.round_config.privacy,
     )
     return experiment.round_fn.place(server)
@@ -501,8 +579,9 @@ def make_eval_fn(experiment: Experiment):
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
         count = jnp.maximum(sums["count"], 1.0)
         out = {"test_loss": sums["loss_sum"] / count}
-        if "correct" in sums:
-            out["test_accuracy"] = sums["correct"] / count
+        if "correct" in sums:  # a model with pad_id counts the accuracy over unpadded targets
+            scored = jnp.maximum(sums.get("accuracy_count", sums["count"]), 1.0)
+            out["test_accuracy"] = sums["correct"] / scored
         if per_example is not None:
             out["per_example"] = per_example
         return out
@@ -556,6 +635,8 @@ def make_client_sums_fn(experiment: Experiment, batch_size: int, resize_batch):
     num_test = fed_data.x_test.shape[0]
     model = experiment.model
     keys = ("loss_sum", "correct", "count")
+    if getattr(model, "pad_id", None) is not None and model.task == "lm":
+        keys += ("accuracy_count",)
 
     @jax.jit
     def sums(params, model_state, data):
@@ -592,7 +673,8 @@ def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
     """Mean and spread over the test clients of each client's loss and accuracy.
 
     Client ``c``'s loss is ``loss_sum[c] / count[c]`` and its accuracy ``correct[c] / count[c]``
-    (clients without test examples are left out); each is summarized by its unweighted mean
+    (``correct[c] / accuracy_count[c]`` for a model with ``pad_id``; clients without test
+    examples are left out); each is summarized by its unweighted mean
     over clients, standard deviation (``ddof=0``), and 10th and 90th percentiles:
     ``test_loss_client_mean``, ``test_loss_client_std``, ``test_loss_client_p10``,
     ``test_loss_client_p90`` and the same for ``test_accuracy_client_*``, plus
@@ -600,9 +682,10 @@ def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
     """
     count = np.asarray(sums["count"], np.float64)
     present = count > 0
+    scored = np.maximum(np.asarray(sums.get("accuracy_count", count), np.float64), 1.0)
     out = {"test_clients": float(present.sum())}
-    for name, key in (("loss", "loss_sum"), ("accuracy", "correct")):
-        values = np.asarray(sums[key], np.float64)[present] / count[present]
+    for name, key, denominator in (("loss", "loss_sum", count), ("accuracy", "correct", scored)):
+        values = np.asarray(sums[key], np.float64)[present] / denominator[present]
         out[f"test_{name}_client_mean"] = float(values.mean())
         out[f"test_{name}_client_std"] = float(values.std())
         out[f"test_{name}_client_p10"] = float(np.percentile(values, 10))

@@ -59,6 +59,7 @@ from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
 from fedorth.train import builders, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import feed as feed_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
@@ -110,6 +111,7 @@ USER_ERRORS = (
     fed.RoundOutOfMemoryError,
     trackers_lib.TrackerError,
     RoundPlacementError,
+    feed_lib.StreamReadError,
 )
 """Errors caused by the input, not by fedorth: the CLI prints their message without a traceback."""
 
@@ -539,12 +541,22 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     )
     experiment = builders.build(config)
     server = builders.init_server(experiment)
+    feed = builders.round_feed(experiment)
+    try:
+        return _run_feed(config, workdir, files, experiment, server, writer, feed)
+    finally:
+        feed.close()  # a streamed run's prefetch thread and file
+
+
+def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[str, Any]:
     # fed.strategy="auto" on one accelerator times a round of each candidate here, on copies of
     # the server state (fed.MeasuredRoundFn); elsewhere the strategy is already fixed.
-    selection = experiment.round_fn.select(server, experiment.data)
+    first = feed.read(0)  # a streamed run's round shape: every round's
+    selection = experiment.round_fn.select(server, first)
     if selection is not None:
         print(fed.describe_selection(selection), file=sys.stderr)
-    check_round_spans_processes(experiment.round_fn, server, experiment.data)
+    check_round_spans_processes(experiment.round_fn, server, first)
+    del first
     with _disk_space(files / "run_info.json", None, None):
         _write_run_info(files, experiment.round_fn)
     rounds = int(config.fed.rounds)
@@ -559,7 +571,13 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
     with signals:
         try:
             row = _train_rounds(
-                config, files, experiment, server, checkpointer, rounds, eval_every, writer, signals
+                config,
+                files,
+                experiment,
+                server,
+                checkpointer,
+                (rounds, eval_every),
+                (writer, signals, feed),
             )
             writer.finish(trackers_lib.finished_files(files))
         finally:
@@ -759,9 +777,9 @@ def _evaluate_checkpoint(
     return row
 
 
-def _train_rounds(
-    config, workdir, experiment, server, checkpointer, rounds, eval_every, writer, signals
-):
+def _train_rounds(config, workdir, experiment, server, checkpointer, schedule, outputs):
+    rounds, eval_every = schedule
+    writer, signals, feed = outputs
     restored = checkpointer.restore_latest(server)
     wall_offset = 0.0
     title = f"{config.fed.algorithm} on {config.data.name}"
@@ -818,7 +836,7 @@ def _train_rounds(
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a checkpoint writes
     try:
         while done < rounds:
-            server, metrics = experiment.round_fn(server, experiment.data)
+            server, metrics = experiment.round_fn(server, feed(done))
             round_index = done = done + 1
             is_last = round_index == rounds
             is_eval = is_last or (eval_every > 0 and round_index % eval_every == 0)

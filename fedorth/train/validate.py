@@ -154,12 +154,19 @@ def _check_data(c: _Checker, config) -> None:
             "data.dataset_kwargs",
             _as_dict(cfg.get("dataset_kwargs")),
             data_lib.DATASETS[name],
-            skip=("data_dir", "seed", "num_clients"),
+            skip=("data_dir", "seed", "num_clients", "stream"),
         )
         partition = cfg.get("partition", "iid")
         if data_lib.has_natural_clients(name) and partition != "natural":
             c.fail(data_lib.natural_partition_message(name, partition))
     c.integer("data.num_clients", cfg.get("num_clients"), 1)
+    try:
+        mode = data_lib.stream_lib.stream_mode(cfg.get("stream", "auto"))
+    except data_lib.DataConfigError as e:
+        c.fail(str(e))
+    else:
+        if mode is True and name in data_lib.DATASETS and not data_lib.has_natural_clients(name):
+            c.fail(data_lib.not_streamed_message(name))
     if cfg.get("image_size") is not None:
         c.integer(
             "data.image_size",
