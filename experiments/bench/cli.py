@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from experiments.bench import optim, rounds, sweep
+from experiments.bench import optim, rounds, startup, sweep
 
 # name -> main(argv without the program and subcommand) -> exit status.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "optim": optim.main,
     "round": rounds.main,
+    "startup": startup.main,
     "sweep": sweep.main,
 }
 

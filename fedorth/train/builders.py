@@ -26,7 +26,7 @@ from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
-from fedorth.train import distributed, privacy
+from fedorth.train import distributed, eager_jit, privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -272,8 +272,6 @@ def _check_tokenizer(config: ml_collections.ConfigDict) -> None:
 def build(config: ml_collections.ConfigDict) -> Experiment:
     """Builds the run's data, model, algorithm and jitted round function."""
     seed = int(config.seed)
-    root = jax.random.key(seed)
-    init_key, _ = jax.random.split(root)
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
@@ -281,15 +279,28 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     _check_tokenizer(config)
     fed_data = build_data(config, seed)
     model = build_model(config, fed_data)
-    example = fed_data.x_train[:2]
-    if image_size(config):  # the model sees batches resized on device (make_batch_fn)
-        example = randaugment.resize(jnp.asarray(example), image_size(config))
+
+    def example_input(x_train):
+        example = x_train[:2]
+        if image_size(config):  # the model sees batches resized on device (make_batch_fn)
+            example = randaugment.resize(jnp.asarray(example), image_size(config))
+        return example
+
     if isinstance(model, lora.LoRAModel):
         # LoRAModel.init's draws, with the checkpoint loaded before the split: the frozen base
         # goes beside the data (FederatedData.frozen_params), never into the state.
-        params, model_state, adapter_key = model.init_base(init_key, example)
+        init_key, _ = jax.random.split(jax.random.key(seed))
+        params, model_state, adapter_key = model.init_base(
+            init_key, example_input(fed_data.x_train)
+        )
     else:
-        params, model_state = model.init(init_key, example)
+
+        def init_model(x_train):
+            init_key, _ = jax.random.split(jax.random.key(seed))
+            return model.init(init_key, example_input(x_train))
+
+        # One compilation for the keys and every draw (op by op: ~20 for a small MLP).
+        params, model_state = eager_jit.jit_op_by_op(init_model)(fed_data.x_train)
     if config.model.get("pretrained"):
         try:
             params, report = pretrained.load_pretrained(
@@ -454,14 +465,21 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
 
 def init_server(experiment: Experiment) -> fed.ServerState:
     """The server state of round 0; its key drives sampling, batches and dropout."""
-    _, run_key = jax.random.split(jax.random.key(int(experiment.config.seed)))
-    server = fed.init_server(
-        experiment.algorithm,
-        experiment.init_params,
-        experiment.init_model_state,
-        num_clients=experiment.round_config.num_clients,
-        key=run_key,
-        privacy=experiment.round_config.privacy,
+    seed = int(experiment.config.seed)
+
+    def init_server_state(params, model_state):
+        _, run_key = jax.random.split(jax.random.key(seed))
+        return fed.init_server(
+            experiment.algorithm,
+            params,
+            model_state,
+            num_clients=experiment.round_config.num_clients,
+            key=run_key,
+            privacy=experiment.round_config.privacy,
+        )
+
+    server = eager_jit.jit_op_by_op(init_server_state)(
+        experiment.init_params, experiment.init_model_state
     )
     return experiment.round_fn.place(server)
 
