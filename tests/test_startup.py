@@ -147,3 +147,53 @@ def test_set_up_keeps_the_data_values():
     assert data.x_train.dtype == jnp.float32
     assert np.array_equal(np.asarray(data.x_train), x.astype(np.float32))
     assert data.y_train.dtype == jnp.int32
+
+
+# Runs the CLI with its address space limited to what it holds after JAX starts plus a budget
+# (resource.setrlimit(RLIMIT_AS)): the same on every machine, and nothing fills the host.
+LIMITED_CLI = """
+import re, resource, runpy, sys
+import experiments
+import jax
+jax.devices()
+with open("/proc/self/status") as f:
+    size = int(re.search(r"VmSize:\\s+(\\d+) kB", f.read()).group(1)) * 1024
+budget = int(float(sys.argv.pop(1)) * 2**30)
+resource.setrlimit(resource.RLIMIT_AS, (size + budget, resource.RLIM_INFINITY))
+sys.argv[0] = "experiments.main"
+runpy.run_module("experiments.main", run_name="__main__", alter_sys=True)
+"""
+
+# FedMuon-LMO keeps M_i and C_i for every client: 2 x 68 MB per client with a 4096-wide MLP.
+WIDE = ["--config=configs/fedmuon_bc.py", "--config.model.hidden_sizes=(4096,4096)"]
+
+
+def _limited_cli(tmp_path, budget_gib: float, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", LIMITED_CLI, str(budget_gib), *WIDE, *args,
+         f"--workdir={tmp_path / 'run'}", "--config.fed.rounds=1"],
+        env=env, capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+
+
+def test_cpu_server_state_out_of_memory_is_one_line(tmp_path):
+    # 100 clients x 136 MB of kept state in 2 GiB: refused before anything is allocated.
+    done = _limited_cli(tmp_path, 2, "--config.data.num_clients=100")
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: The server state does not fit in the memory of cpu"), lines
+    assert "Traceback" not in done.stderr and "RESOURCE_EXHAUSTED" not in done.stderr
+    assert "the state each of the 100 clients keeps" in lines[-1]
+    assert "--config.data.num_clients=25" in lines[-1]
+
+
+def test_cpu_round_out_of_memory_is_the_documented_paragraph(tmp_path):
+    # 20 clients' kept state (2.7 GB) fits in 3.5 GiB; the round, which writes it anew, does not.
+    done = _limited_cli(tmp_path, 3.5, "--config.data.num_clients=20", "--config.fed.local_steps=1")
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: A round does not fit in the memory of cpu:0: XLA asked for"), (
+        done.stderr[-3000:]
+    )
+    assert "Remedies:" in last and "Traceback" not in done.stderr

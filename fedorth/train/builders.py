@@ -24,6 +24,7 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import memory as fed_memory
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
 from fedorth.train import distributed, eager_jit, privacy
@@ -478,10 +479,46 @@ def init_server(experiment: Experiment) -> fed.ServerState:
             privacy=experiment.round_config.privacy,
         )
 
-    server = eager_jit.jit_op_by_op(init_server_state)(
-        experiment.init_params, experiment.init_model_state
-    )
+    arguments = (experiment.init_params, experiment.init_model_state)
+    shapes = jax.eval_shape(init_server_state, *arguments)
+    num_clients = experiment.round_config.num_clients
+    try:
+        _check_state_fits(shapes, num_clients)
+        server = eager_jit.jit_op_by_op(init_server_state)(*arguments)
+    except jax.errors.JaxRuntimeError as error:
+        if not fed_memory.is_out_of_memory(error):
+            raise
+        raise _state_out_of_memory(shapes, num_clients, fed_memory.available_host_bytes()) from None
     return experiment.round_fn.place(server)
+
+
+def _state_bytes(shapes) -> tuple[int, int]:
+    """Bytes of a server state of ``shapes`` (``jax.eval_shape``'s), and of its per-client part."""
+
+    def size(tree) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "size"))
+
+    key_bytes = jax.eval_shape(jax.random.key_data, shapes.key)
+    whole = size(shapes.replace(key=key_bytes))
+    return whole, size(shapes.clients)
+
+
+def _state_out_of_memory(shapes, num_clients: int, available: int | None):
+    whole, clients = _state_bytes(shapes)
+    message = fed_memory.state_out_of_memory_message(
+        whole, clients, num_clients, jax.devices()[0], available
+    )
+    return fed.RoundOutOfMemoryError(message)
+
+
+def _check_state_fits(shapes, num_clients: int) -> None:
+    """On the CPU backend, refuses in one line a server state larger than what the host can still
+    allocate: XLA:CPU may abort the process (``std::bad_alloc``) instead of raising."""
+    if jax.default_backend() != "cpu":
+        return
+    available = fed_memory.available_host_bytes()
+    if available is not None and _state_bytes(shapes)[0] > available:
+        raise _state_out_of_memory(shapes, num_clients, available)
 
 
 def make_eval_fn(experiment: Experiment):

@@ -886,6 +886,14 @@ def _train_rounds(
                 raise stopped(signals.received, round_index, workdir)
     except RunInterrupted:
         raise
+    except jax.errors.JaxRuntimeError as error:
+        # A round's out-of-memory error surfaces where its results are first read (the
+        # finiteness check, the evaluation), after the round's call returned.
+        if not fed.memory.is_out_of_memory(error):
+            raise
+        round_fn = experiment.round_fn
+        message = fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
+        raise fed.RoundOutOfMemoryError(message) from None
     except KeyboardInterrupt as e:
         plotter.wait()
         raise stopped_at_once(signals.received, done, checkpointer, workdir) from e
