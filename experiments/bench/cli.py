@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from experiments.bench import data, optim, rounds, sweep
+from experiments.bench import data, optim, rounds, startup, sweep
 
 # name -> main(argv without the program and subcommand) -> exit status.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "data": data.main,
     "optim": optim.main,
     "round": rounds.main,
+    "startup": startup.main,
     "sweep": sweep.main,
 }
 

@@ -145,13 +145,15 @@ def make_federated(
     def labels(y):
         return y.astype(np.int32) if np.issubdtype(y.dtype, np.integer) else y
 
+    # device_put copies host arrays without compiling anything (jnp.asarray compiles a copy
+    # per shape and dtype: six compilations at a run's start).
     return FederatedData(
-        x_train=jnp.asarray(x_train),
-        y_train=jnp.asarray(labels(y_train)),
-        client_index=jnp.asarray(client_index),
-        client_size=jnp.asarray(sizes.astype(np.int32)),
-        x_test=jnp.asarray(x_test),
-        y_test=jnp.asarray(labels(y_test)),
+        x_train=jax.device_put(x_train),
+        y_train=jax.device_put(labels(y_train)),
+        client_index=jax.device_put(client_index),
+        client_size=jax.device_put(sizes.astype(np.int32)),
+        x_test=jax.device_put(x_test),
+        y_test=jax.device_put(labels(y_test)),
         num_classes=int(num_classes),
         name=str(name),
     )

@@ -1,8 +1,10 @@
-"""A round that runs out of device memory: one paragraph naming the remedies, not XLA's dump."""
+"""A round, or the server state, that runs out of device memory: one paragraph naming the
+remedies, not XLA's dump (on the CPU backend, the host's memory and address-space limit)."""
 
 from __future__ import annotations
 
 import re
+import resource
 
 import jax
 
@@ -23,7 +25,8 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def _requested_bytes(message: str) -> int | None:
     """The allocation an XLA out-of-memory message names (GPU: "... allocate N bytes",
     "(NB)"; TPU: "Used 20.5G of 15.48G hbm"), or None."""
-    for pattern in (r"allocate (\d+) bytes", r"\((\d+)B\)"):
+    # GPU "allocate N bytes"; CPU "Out of memory allocating N bytes"; "(NB)".
+    for pattern in (r"allocat(?:e|ing) (\d+) bytes", r"\((\d+)B\)"):
         found = re.search(pattern, message)
         if found:
             return int(found.group(1))
@@ -81,4 +84,45 @@ def out_of_memory_message(error: BaseException, config: RoundConfig, device) -> 
         + "; ".join(remedies)
         + "."
         + example
+    )
+
+
+def available_host_bytes() -> int | None:
+    """What the CPU backend can still allocate: the smaller of the address space left under the
+    process's limit (``ulimit -v``, ``RLIMIT_AS``) and the host's available memory; None where
+    neither is known."""
+    limits = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                size = re.search(r"VmSize:\s+(\d+) kB", f.read())
+            limits.append(soft - (int(size.group(1)) * 1024 if size else 0))
+        with open("/proc/meminfo") as f:
+            free = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
+        if free:
+            limits.append(int(free.group(1)) * 1024)
+    except OSError:
+        pass
+    return min(limits) if limits else None
+
+
+def state_out_of_memory_message(
+    state_bytes: int, client_bytes: int, num_clients: int, device, available: int | None
+) -> str:
+    """One paragraph for a server state that does not fit at a run's start: its size, the part
+    the per-client state takes, what the device has, and the settings that shrink it."""
+    has = f"{_gib(available)} can still be allocated" if available is not None else "it has less"
+    remedies = ["a smaller model"]
+    if client_bytes:
+        per_client = _gib(client_bytes // max(num_clients, 1))
+        held = f", {_gib(client_bytes)} of it the state each of the {num_clients} clients keeps"
+        held += f" ({per_client} per client)"
+        remedies.insert(0, "a smaller data.num_clients (the kept state grows with it)")
+        example = f" E.g. --config.data.num_clients={max(1, num_clients // 4)}."
+    else:
+        held, example = "", ""
+    return (
+        f"The server state does not fit in the memory of {device}: it needs {_gib(state_bytes)}"
+        f"{held}; {has}. Remedies: " + "; ".join(remedies) + "." + example
     )

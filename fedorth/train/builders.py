@@ -24,9 +24,10 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import memory as fed_memory
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
-from fedorth.train import distributed, feed, privacy
+from fedorth.train import distributed, eager_jit, feed, privacy
 
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "step")
 
@@ -310,8 +311,6 @@ def _check_tokenizer(config: ml_collections.ConfigDict) -> None:
 def build(config: ml_collections.ConfigDict) -> Experiment:
     """Builds the run's data, model, algorithm and jitted round function."""
     seed = int(config.seed)
-    root = jax.random.key(seed)
-    init_key, _ = jax.random.split(root)
     algorithm = fed.get_algorithm(
         config.fed.algorithm, _to_dict(config.optim), **_to_dict(config.fed.get("options"))
     )
@@ -319,15 +318,28 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     _check_tokenizer(config)
     fed_data, stream = build_streamed_data(config, seed)
     model = build_model(config, fed_data)
-    example = fed_data.x_train[:2]
-    if image_size(config):  # the model sees batches resized on device (make_batch_fn)
-        example = randaugment.resize(jnp.asarray(example), image_size(config))
+
+    def example_input(x_train):
+        example = x_train[:2]
+        if image_size(config):  # the model sees batches resized on device (make_batch_fn)
+            example = randaugment.resize(jnp.asarray(example), image_size(config))
+        return example
+
     if isinstance(model, lora.LoRAModel):
         # LoRAModel.init's draws, with the checkpoint loaded before the split: the frozen base
         # goes beside the data (FederatedData.frozen_params), never into the state.
-        params, model_state, adapter_key = model.init_base(init_key, example)
+        init_key, _ = jax.random.split(jax.random.key(seed))
+        params, model_state, adapter_key = model.init_base(
+            init_key, example_input(fed_data.x_train)
+        )
     else:
-        params, model_state = model.init(init_key, example)
+
+        def init_model(x_train):
+            init_key, _ = jax.random.split(jax.random.key(seed))
+            return model.init(init_key, example_input(x_train))
+
+        # One compilation for the keys and every draw (op by op: ~20 for a small MLP).
+        params, model_state = eager_jit.jit_op_by_op(init_model)(fed_data.x_train)
     if config.model.get("pretrained"):
         try:
             params, report = pretrained.load_pretrained(
@@ -533,15 +545,57 @@ def round_feed(experiment: Experiment):
 
 def init_server(experiment: Experiment) -> fed.ServerState:
     """The server state of round 0; its key drives sampling, batches and dropout."""
-    server = fed.init_server(
-        experiment.algorithm,
-        experiment.init_params,
-        experiment.init_model_state,
-        num_clients=experiment.round_config.num_clients,
-        key=run_key(experiment.config),
-        privacy=experiment.round_config.privacy,
-    )
+
+    def init_server_state(params, model_state):
+        return fed.init_server(
+            experiment.algorithm,
+            params,
+            model_state,
+            num_clients=experiment.round_config.num_clients,
+            key=run_key(experiment.config),
+            privacy=experiment.round_config.privacy,
+        )
+
+    arguments = (experiment.init_params, experiment.init_model_state)
+    shapes = jax.eval_shape(init_server_state, *arguments)
+    num_clients = experiment.round_config.num_clients
+    try:
+        _check_state_fits(shapes, num_clients)
+        server = eager_jit.jit_op_by_op(init_server_state)(*arguments)
+    except jax.errors.JaxRuntimeError as error:
+        if not fed_memory.is_out_of_memory(error):
+            raise
+        raise _state_out_of_memory(shapes, num_clients, fed_memory.available_host_bytes()) from None
     return experiment.round_fn.place(server)
+
+
+def _state_bytes(shapes) -> tuple[int, int]:
+    """Bytes of a server state of ``shapes`` (``jax.eval_shape``'s), and of its per-client part."""
+
+    def size(tree) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "size"))
+
+    key_bytes = jax.eval_shape(jax.random.key_data, shapes.key)
+    whole = size(shapes.replace(key=key_bytes))
+    return whole, size(shapes.clients)
+
+
+def _state_out_of_memory(shapes, num_clients: int, available: int | None):
+    whole, clients = _state_bytes(shapes)
+    message = fed_memory.state_out_of_memory_message(
+        whole, clients, num_clients, jax.devices()[0], available
+    )
+    return fed.RoundOutOfMemoryError(message)
+
+
+def _check_state_fits(shapes, num_clients: int) -> None:
+    """On the CPU backend, refuses in one line a server state larger than what the host can still
+    allocate: XLA:CPU may abort the process (``std::bad_alloc``) instead of raising."""
+    if jax.default_backend() != "cpu":
+        return
+    available = fed_memory.available_host_bytes()
+    if available is not None and _state_bytes(shapes)[0] > available:
+        raise _state_out_of_memory(shapes, num_clients, available)
 
 
 def make_eval_fn(experiment: Experiment):

@@ -67,7 +67,7 @@ def read_scalars(logdir: pathlib.Path) -> list[tuple[str, int, float]]:
     Reads the TFRecord framing (length, its CRC, the record, its CRC) and stops at a file's
     first cut or unreadable record (a writer killed mid-record). Files in name (time) order.
     """
-    from tensorboardX.proto import event_pb2
+    event_pb2 = import_tensorboardx().proto.event_pb2
 
     out = []
     for path in sorted(logdir.glob(_EVENTS_GLOB)) if logdir.is_dir() else []:
@@ -258,6 +258,28 @@ def _add_scalars(writer, row: dict[str, Any]) -> None:
 _writers = iter(range(1 << 62))
 
 
+def import_tensorboardx():
+    """The ``tensorboardX`` package, imported without PyTorch.
+
+    tensorboardX's writer module imports torch whenever it is installed (the ``[bench]`` extra
+    installs it), only to accept torch tensors, which fedorth never passes: 1.6 s of a run's
+    start on 2 CPU cores. While tensorboardX loads, ``import torch`` fails as if torch were
+    absent (tensorboardX then takes NumPy arrays only); torch imported before stays as it is.
+    """
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
+        import tensorboardX
+
+        return tensorboardX
+    sys.modules["torch"] = None  # Python's way to make an import fail as not installed
+    try:
+        import tensorboardX
+        import tensorboardX.proto.event_pb2  # noqa: F401
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return tensorboardX
+
+
 def _tensorboard_writer(logdir: pathlib.Path):
     """TensorBoard event files through tensorboardX (a dependency of fedorth; it needs no
     TensorFlow). View them with ``tensorboard --logdir WORKDIR/tensorboard``.
@@ -265,7 +287,7 @@ def _tensorboard_writer(logdir: pathlib.Path):
     Each writer gets its own file (tensorboardX names files by the second and the host; the
     suffix keeps two writers of one second apart)."""
     try:
-        from tensorboardX import SummaryWriter
+        SummaryWriter = import_tensorboardx().SummaryWriter  # noqa: N806
     except ImportError:  # an install without its dependencies: metrics.jsonl is still written
         return None
     # flush_secs: watchable while the run goes on.

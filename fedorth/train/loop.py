@@ -369,8 +369,17 @@ def check_round_spans_processes(round_fn, server, data) -> None:
         )
 
 
-def _first_non_finite(tree, name: str) -> str | None:
-    flags = to_host(_finite_leaves(tree))
+def _first_non_finite(tree, name: str, *, on_host: bool = False) -> str | None:
+    """The first leaf of ``tree`` holding a NaN or Inf, named from ``name``, or None.
+    ``on_host``: checked by NumPy on a host copy (a check of the whole state, before a save:
+    the save copies it to the host anyway, and no second program compiles for its tree)."""
+    if on_host:
+        flags = jax.tree.map(
+            lambda x: not np.issubdtype(x.dtype, np.inexact) or bool(np.isfinite(x).all()),
+            to_host(tree),
+        )
+    else:
+        flags = to_host(_finite_leaves(tree))
     for path, ok in jax.tree_util.tree_leaves_with_path(flags):
         if not ok:
             return f"{name}{jax.tree_util.keystr(path)}"
@@ -397,7 +406,7 @@ def _check_finite(
         leaf = _first_non_finite(server.params, "params")
         if leaf is None and full_state:
             state = server.replace(key=jax.random.key_data(server.key))
-            leaf = _first_non_finite(state, "server")
+            leaf = _first_non_finite(state, "server", on_host=True)
         quantity = None if leaf is None else f"{leaf} contains NaN/Inf"
     if quantity is None:
         return
@@ -895,6 +904,14 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, schedule, o
                 raise stopped(signals.received, round_index, workdir)
     except RunInterrupted:
         raise
+    except jax.errors.JaxRuntimeError as error:
+        # A round's out-of-memory error surfaces where its results are first read (the
+        # finiteness check, the evaluation), after the round's call returned.
+        if not fed.memory.is_out_of_memory(error):
+            raise
+        round_fn = experiment.round_fn
+        message = fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
+        raise fed.RoundOutOfMemoryError(message) from None
     except KeyboardInterrupt as e:
         plotter.wait()
         raise stopped_at_once(signals.received, done, checkpointer, workdir) from e
