@@ -3,13 +3,13 @@ process (``python -m experiments.sweep --distributed``, or ``--sweep.devices_per
 
 The devices of ``jax.devices()`` (every process's, in process order) form ``groups`` groups of
 ``devices_per_replica`` consecutive devices: the mesh's ``"replica"`` axis has one entry per
-group, its ``"clients"`` axis the devices of a group. A group runs ``chunk`` replicas at a time,
-vmapped; a replica's clients run on its group's devices (sharded over ``"clients"`` when the
-group has more than one device, ``fed.strategy="sharded"``'s all-reduces within the group). A
-call of the round runs ``groups * chunk`` replicas (a unit); the sweep's replicas fill the units
-in order (replica ``r`` in unit ``r // (groups * chunk)``, group ``(r % (groups * chunk)) //
-chunk``), and a grid that does not fill its last unit is padded with copies of its last replica,
-whose results are dropped. Replicas share nothing: the round is a ``jax.shard_map`` over
+group, its ``"clients"`` axis the devices of a group. Replica ``r`` runs on group ``r % groups``;
+a group runs ``chunk`` of its replicas at a time, vmapped, and a replica's clients run on its
+group's devices (sharded over ``"clients"`` when the group has more than one device, with
+``fed.strategy="sharded"``'s all-reduces within the group). A call of the round (a unit) runs
+``chunk`` replicas of every group; a grid that does not divide over the groups leaves slots of
+the last call empty, and they run a copy of a replica whose results are dropped. Replicas
+share nothing: the round is a ``jax.shard_map`` over
 ``"replica"``, so its compiled program has no collective whose devices cross groups
 (:func:`cross_replica_collectives` reads that from the compiled program's text).
 
@@ -20,6 +20,7 @@ writes its folder.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -40,13 +41,17 @@ class Placement:
 
     Attributes:
       mesh: ``groups x devices_per_replica`` devices.
-      replicas: the sweep's replica count.
+      assignment: each replica's group.
       chunk: replicas a group runs at once (vmapped).
     """
 
     mesh: Mesh
-    replicas: int
+    assignment: tuple[int, ...]
     chunk: int
+
+    @property
+    def replicas(self) -> int:
+        return len(self.assignment)
 
     @property
     def groups(self) -> int:
@@ -61,13 +66,33 @@ class Placement:
         """Replicas a call of the round runs: ``groups * chunk``."""
         return self.groups * self.chunk
 
-    @property
+    @functools.cached_property
     def units(self) -> list[list[int]]:
-        """The replicas of each call, padded with copies of the last replica."""
-        size, out = self.unit_size, []
-        for start in range(0, self.replicas, size):
-            unit = list(range(start, min(start + size, self.replicas)))
-            out.append(unit + [unit[-1]] * (size - len(unit)))
+        """The replicas of each call, group after group (``chunk`` slots each); a slot no
+        replica fills holds a copy of the call's first replica."""
+        members = [
+            [r for r, g in enumerate(self.assignment) if g == group] for group in range(self.groups)
+        ]
+        calls = math.ceil(max(len(m) for m in members) / self.chunk)
+        out = []
+        for call in range(calls):
+            slots = [
+                m[i] if i < len(m) else None
+                for m in members
+                for i in range(call * self.chunk, (call + 1) * self.chunk)
+            ]
+            fill = next(r for r in slots if r is not None)
+            out.append([fill if r is None else r for r in slots])
+        return out
+
+    @functools.cached_property
+    def positions(self) -> dict[int, tuple[int, int]]:
+        """Each replica's call and slot in it (its own group's slot, never a copy's)."""
+        out = {}
+        for call, unit in enumerate(self.units):
+            for slot, r in enumerate(unit):
+                if slot // self.chunk == self.assignment[r]:
+                    out.setdefault(r, (call, slot))
         return out
 
     @property
@@ -79,12 +104,9 @@ class Placement:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def group(self, replica: int) -> int:
-        return (replica % self.unit_size) // self.chunk
-
     def owner(self, replica: int) -> int:
         """The process that evaluates replica ``replica`` and writes its folder."""
-        return self.mesh.devices[self.group(replica), 0].process_index
+        return self.mesh.devices[self.assignment[replica], 0].process_index
 
     def owned(self) -> list[int]:
         """The replicas this process owns."""
@@ -96,17 +118,19 @@ class Placement:
         devices = self.mesh.devices.size
         processes = len({d.process_index for d in self.mesh.devices.flat})
         padded = len(self.units) * self.unit_size - self.replicas
-        per_group = math.ceil(self.replicas / self.groups)
+        per_group = [self.assignment.count(g) for g in range(self.groups)]
+        k = self.devices_per_replica
         return (
-            f"Placed {self.replicas} replicas on {devices} devices of {processes} process"
-            f"{'es' if processes > 1 else ''}: {self.groups} groups of "
-            f"{self.devices_per_replica} device{'s' if self.devices_per_replica > 1 else ''} "
-            f"(--sweep.devices_per_replica), up to {per_group} replicas per group, {self.chunk} "
-            f"at once (the per-device chunk, --replica_chunk_size)"
+            f"Placed {self.replicas} replicas on {devices} device{'s' if devices > 1 else ''} of "
+            f"{processes} process{'es' if processes > 1 else ''}: {self.groups} group"
+            f"{'s' if self.groups > 1 else ''} of {k} device{'s' if k > 1 else ''} "
+            f"(--sweep.devices_per_replica) with {min(per_group)}"
+            + (f" to {max(per_group)}" if max(per_group) > min(per_group) else "")
+            + f" replicas each, {self.chunk} at once (--replica_chunk_size, per group)"
             + (
-                f"; {padded} padding replica{'s' if padded > 1 else ''} (copies, results dropped) "
-                f"fill the last call, as {self.replicas} does not divide over "
-                f"{self.groups} groups x {self.chunk}"
+                f"; {padded} empty slot{'s' if padded > 1 else ''} of the "
+                f"{len(self.units)} call{'s' if len(self.units) > 1 else ''} run a copy "
+                "whose results are dropped"
                 if padded
                 else ""
             )
@@ -120,6 +144,7 @@ def place(
     devices_per_replica: int = 0,
     chunk_size: int = 0,
     sequential: bool = False,
+    assignment: list[int] | None = None,
     devices=None,
 ) -> Placement:
     """The placement of ``replicas`` replicas over ``devices`` (default ``jax.devices()``).
@@ -128,6 +153,8 @@ def place(
       replicas: the grid's replica count.
       devices_per_replica: devices that run one replica's clients (0: 1).
       chunk_size: replicas a group runs at once (0: all of its replicas); ``sequential``: 1.
+      assignment: each replica's group (default: replica ``r`` on group ``r % groups``, so
+        that which process owns a replica does not depend on the chunk).
 
     Raises:
       SweepError: ``devices_per_replica`` is more than the devices, or does not divide them.
@@ -149,10 +176,12 @@ def place(
     if chunk_size < 0:
         raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
     groups = len(devices) // k
-    per_group = math.ceil(replicas / groups)
-    chunk = 1 if sequential else min(chunk_size or per_group, per_group)
+    if assignment is None:
+        assignment = [r % groups for r in range(replicas)]
+    most = max(assignment.count(g) for g in range(groups))
+    chunk = 1 if sequential else min(chunk_size or most, most)
     mesh = Mesh(np.array(devices).reshape(groups, k), (REPLICA_AXIS, CLIENTS_AXIS))
-    return Placement(mesh, replicas, chunk)
+    return Placement(mesh, tuple(assignment), chunk)
 
 
 def check_same_in_every_process(text: str) -> None:

@@ -124,6 +124,8 @@ class ReplicaRound:
         replicas on groups of that many devices of every process
         (:mod:`fedorth.sweep.placement`; 0: one device each), ``chunk_size`` replicas at once
         on each group.
+      assignment: with ``devices_per_replica``, each replica's group of devices (default
+        :func:`fedorth.sweep.placement.place`'s).
 
     Attributes:
       strategy: the replica strategy that runs (never ``"auto"``).
@@ -146,6 +148,7 @@ class ReplicaRound:
         timer: Callable[[], float] = time.perf_counter,
         on_build: Callable[[int], None] | None = None,
         devices_per_replica: int | None = None,
+        assignment: list[int] | None = None,
     ):
         if chunk_size < 0:
             raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
@@ -161,7 +164,7 @@ class ReplicaRound:
         self.model = first.model
         self.batch_fn = builders.make_batch_fn(first.config)
         servers = [builders.init_server(r.experiment) for r in self.replicas]
-        self.devices_per_replica = devices_per_replica
+        self.devices_per_replica, self.assignment = devices_per_replica, assignment
         self.placement: placement_lib.Placement | None = None
         mesh = None
         if devices_per_replica is None:
@@ -254,6 +257,7 @@ class ReplicaRound:
             devices_per_replica=self.devices_per_replica,
             chunk_size=chunk_size,
             sequential=strategy == "sequential",
+            assignment=self.assignment,
         )
         replica = PartitionSpec(placement_lib.REPLICA_AXIS)
         axes = jax.tree.map(lambda shared: None if shared else 0, self._data_shared)
@@ -463,7 +467,8 @@ class ReplicaRound:
         for unit, state in zip(self.units, states, strict=True):
             if index in unit:
                 if self.placement is not None:
-                    position = unit.index(index)
+                    call, position = self.placement.positions[index]
+                    state = states[call]
                     if everywhere:
                         return _host_row(_gathered(state), position)
                     return self._local_rows(state)[position]
@@ -511,7 +516,7 @@ class ReplicaRound:
         on a mesh: on the host, of the replicas this process owns; None for the others)."""
         new_states, metrics = [], [None] * len(self.replicas)
         owned = set(self.owned())
-        for unit, state in zip(self.units, states, strict=True):
+        for call, (unit, state) in enumerate(zip(self.units, states, strict=True)):
             try:
                 state, unit_metrics = self._step(
                     state, self._unit_data(unit), self._unit_values(unit)
@@ -528,7 +533,7 @@ class ReplicaRound:
             if self.placement is not None:
                 rows = self._local_rows(unit_metrics)
                 for position, index in enumerate(unit):
-                    if index in owned and metrics[index] is None and position in rows:
+                    if index in owned and self.placement.positions[index] == (call, position):
                         metrics[index] = rows[position]
                 continue
             for position, index in enumerate(unit):
