@@ -80,7 +80,9 @@ def flags_parser(argv: list[str]) -> list[str]:
             _DEVICES_PER_REPLICA.append(parse_devices_per_replica(grid.pop("devices_per_replica")))
         if "shard" in grid:
             _SHARD.append(parse_shard(grid.pop("shard")))
-            launching = [a for a in argv if a.startswith(("--distributed", "--coordinator_address"))]
+            launching = [
+                a for a in argv if a.startswith(("--distributed", "--coordinator_address"))
+            ]
             if launching:
                 raise SweepError(
                     f"--sweep.shard with {launching[0].partition('=')[0]}: a slice of the grid is "

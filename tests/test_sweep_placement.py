@@ -3,11 +3,16 @@ equal to its single run, and no collective between groups in the compiled round.
 
 from __future__ import annotations
 
+import pathlib
+
+import jax
 import pytest
 from test_sweep import GRID, compare, run, tiny
 
-from fedorth.sweep import Grid, ReplicaRound
+from fedorth.fed import RoundOutOfMemoryError
+from fedorth.sweep import Grid, ReplicaRound, SweepError, strategy
 from fedorth.sweep import placement as placement_lib
+from fedorth.sweep.grid import parse_devices_per_replica
 
 
 def placed(devices_per_replica: int, replica_strategy="vmap", seeds=(42, 43, 44), **kwargs):
@@ -38,3 +43,84 @@ def test_placed_replicas_are_their_single_runs_and_share_no_collective(devices_p
         assert found == []
     else:  # the clients' all-reduces, within each replica's pair of devices
         assert found and all(len(g) == 2 for _, groups in found for g in groups), found
+
+
+ERRORS = (pathlib.Path(__file__).parent.parent / "docs" / "ERRORS.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "devices_per_replica, message",
+    [
+        (
+            16,
+            "--sweep.devices_per_replica=16: the run has 8 devices (every process's); give at "
+            "most 8, or start more processes or devices.",
+        ),
+        (
+            3,
+            "--sweep.devices_per_replica=3 does not divide the run's 8 devices into groups: give "
+            "one of [1, 2, 4, 8].",
+        ),
+    ],
+)
+def test_devices_per_replica_beyond_or_not_dividing_the_devices_is_one_line(
+    devices_per_replica, message
+):
+    with pytest.raises(SweepError) as raised:
+        placement_lib.place(5, devices_per_replica=devices_per_replica, devices=list(range(8)))
+    assert str(raised.value) == message
+    assert f"error: {message} |" in ERRORS
+
+
+def test_a_bad_devices_per_replica_is_one_line():
+    with pytest.raises(SweepError) as raised:
+        parse_devices_per_replica("two")
+    assert f"error: {raised.value} |" in ERRORS
+
+
+class _Device:
+    def __init__(self, process_index):
+        self.process_index = process_index
+
+
+def test_a_grid_that_does_not_divide_runs_in_padded_calls_and_says_how():
+    """5 replicas on 2 processes x 2 devices: 4 groups, replica r on group r % 4, 2 calls of one
+    replica per group; the second call's empty slots copy a replica, dropped."""
+    devices = [_Device(p) for p in (0, 0, 1, 1)]
+    placement = placement_lib.place(5, chunk_size=1, devices=devices)
+    assert placement.units == [[0, 1, 2, 3], [4, 4, 4, 4]]
+    assert placement.positions == {0: (0, 0), 1: (0, 1), 2: (0, 2), 3: (0, 3), 4: (1, 0)}
+    assert [placement.owner(r) for r in range(5)] == [0, 0, 1, 1, 0]
+    assert placement.describe() == (
+        "Placed 5 replicas on 4 devices of 2 processes: 4 groups of 1 device "
+        "(--sweep.devices_per_replica) with 1 to 2 replicas each, 1 at once "
+        "(--replica_chunk_size, per group); 3 empty slots of the 2 calls run a copy whose "
+        "results are dropped."
+    )
+    # All of a group's replicas at once: one call, its group 0 running replicas 0 and 4.
+    whole = placement_lib.place(5, devices=devices, devices_per_replica=2)
+    assert whole.groups == 2 and whole.chunk == 3
+    assert whole.units == [[0, 2, 4, 1, 3, 0]]
+    assert [whole.owner(r) for r in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_out_of_memory_names_the_per_device_chunk(monkeypatch):
+    _, round_, states, _ = placed(1, replica_strategy="vmap", seeds=(42, 43))
+
+    def out_of_memory(*args):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."
+        )
+
+    monkeypatch.setattr(round_, "_step", out_of_memory)
+    with pytest.raises(RoundOutOfMemoryError) as raised:
+        round_(states)
+    # 2 replicas on 8 devices: one at a time on each; the fix is more devices per replica.
+    assert "raise --sweep.devices_per_replica" in str(raised.value)
+    placement = placement_lib.place(32, chunk_size=4, devices=list(jax.devices()))
+    message = strategy.out_of_memory_message("vmap", 4, placement)
+    assert message == (
+        "A sweep round ran out of device memory: lower --replica_chunk_size (the per-device "
+        "chunk: 4 replicas at once on each device; 1 runs one at a time)."
+    )
+    assert f"error: {message} |" in ERRORS

@@ -207,6 +207,13 @@ class ReplicaRound:
             self.replica_selection = strategy_lib.measure_replica_strategies(
                 {name: self._candidate(plan) for name, plan in plans.items()}, timer=timer
             )
+            if jax.process_count() > 1:  # every process runs process 0's choice
+                from jax.experimental import multihost_utils
+
+                names = list(plans)
+                chosen = names.index(self.replica_selection["strategy"])
+                chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
+                self.replica_selection["strategy"] = names[chosen]
             self._adopt(plans[self.replica_selection["strategy"]])
         else:
             self._adopt(self._plan(resolve_replica_strategy(strategy), chunk_size))

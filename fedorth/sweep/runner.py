@@ -966,7 +966,24 @@ def _gather_rows(rows: dict[int, dict[str, Any]], count: int) -> list[dict[str, 
 
 
 def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The progress line's means over the replicas (of every process of a multi-process sweep:
+    a collective, at the same rounds in every process)."""
     keys = ("train_loss", "test_loss", "test_accuracy", "test_auc")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.array(
+            [[sum(row[k] for row in rows if k in row), sum(k in row for row in rows)] for k in keys]
+            + [[0.0, len(rows)]]
+        )
+        total = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, len(keys) + 1, 2)
+        total = total.sum(axis=0)
+        count = total[-1, 1]
+        return {
+            k: float(total[i, 0] / count)
+            for i, k in enumerate(keys)
+            if count and total[i, 1] == count
+        }
     return {
         k: float(np.mean([row[k] for row in rows]))
         for k in keys
