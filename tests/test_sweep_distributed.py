@@ -179,6 +179,8 @@ def test_the_recipe_resumes_after_a_process_is_killed_and_equals_the_single_runs
                 np.testing.assert_allclose(a[key], b[key], rtol=2e-5, atol=2e-6, err_msg=name)
         info = json.loads((sweep / name / "run_info.json").read_text())
         assert len(info["round_devices"]) == 4, info["round_devices"]
+        # The compiled round, read in each process: one replica per device, no collective.
+        assert info["replica_collectives"] == {"count": 0, "across_replicas": []}, info
 
 
 @pytest.mark.slow

@@ -280,7 +280,7 @@ class ReplicaRound:
             axis_names={placement_lib.REPLICA_AXIS},
             check_vma=False,
         )
-        step = jax.jit(mapped, donate_argnums=(0,))
+        step = _CheckedStep(jax.jit(mapped, donate_argnums=(0,)), placement)
         return dict(
             strategy=strategy,
             chunk_size=placement.chunk,
@@ -288,6 +288,22 @@ class ReplicaRound:
             step=step,
             placement=placement,
         )
+
+    def collectives(self) -> dict[str, Any]:
+        """Placed on a mesh: the compiled round's collectives, ``{"count": all of them,
+        "across_replicas": those whose devices span groups}`` (compiled here for the first
+        unit, and that compilation runs the rounds); else None."""
+        if self.placement is None:
+            return None
+        step = self._step
+        if step.compiled is None:
+            unit = self.units[0]
+            step.compile(
+                self._unit_state([self._initial[i] for i in unit]),
+                self._unit_data(unit),
+                self._unit_values(unit),
+            )
+        return {"count": len(step.collectives), "across_replicas": step.across}
 
     def _adopt(self, plan: dict[str, Any]) -> None:
         self.strategy, self.chunk_size = plan["strategy"], plan["chunk_size"]
@@ -559,6 +575,28 @@ class ReplicaRound:
             evaluate = builders.make_eval_fn(self.replicas[0].experiment)
             return [evaluate] * len(self.replicas)
         return [builders.make_eval_fn(r.experiment) for r in self.replicas]
+
+
+class _CheckedStep:
+    """A placed round, compiled once (all units have one shape) and read for its collectives."""
+
+    def __init__(self, jitted, placement):
+        self.jitted, self.placement = jitted, placement
+        self.lower = jitted.lower
+        self.compiled = None
+        self.collectives: list = []
+        self.across: list[str] = []
+
+    def compile(self, *arguments) -> None:
+        self.compiled = self.jitted.lower(*arguments).compile()
+        text = self.compiled.as_text()
+        self.collectives = placement_lib.collectives(text)
+        self.across = placement_lib.cross_replica_collectives(text, self.placement)
+
+    def __call__(self, *arguments):
+        if self.compiled is None:
+            self.compile(*arguments)
+        return self.compiled(*arguments)
 
 
 def _tracer_error(error: BaseException | None) -> BaseException | None:

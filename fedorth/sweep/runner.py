@@ -363,10 +363,14 @@ def _params_finite(params) -> bool:
 
 def _add_replica_strategy(path: pathlib.Path, replica_round: ReplicaRound) -> None:
     """``run_info.json`` also says how the replicas ran and, on an accelerator, the timings
-    ``--replica_strategy=auto`` chose by (``fedorth.sweep.strategy``)."""
+    ``--replica_strategy=auto`` chose by (``fedorth.sweep.strategy``); placed on several
+    devices, where and the compiled round's collectives (none across replicas)."""
     info = json.loads(path.read_text())
     info["replica_strategy"] = replica_round.strategy
     info["replica_strategy_selection"] = replica_round.replica_selection
+    if replica_round.placement is not None:
+        info["replica_placement"] = replica_round.placement.describe()
+        info["replica_collectives"] = replica_round.collectives()
     loop._write_atomic(path, json.dumps(info, indent=2))
 
 
@@ -542,6 +546,7 @@ def _run_locked(
     if replica_round.placement is not None:
         print(replica_round.placement.describe(), file=stream)
         devices = list(replica_round.placement.mesh.devices.flat)
+        replica_round.collectives()  # compiled once here, in every process
     described = types.SimpleNamespace(
         strategy=replica_round.client_strategy,
         selection=replica_round.selection,
