@@ -735,6 +735,7 @@ class _Sweep:
             self.diverged.pop(index, None)
         print(
             f"Sweep of {count} replicas x {self.rounds} rounds: replicas {rr.strategy}"
+            + (" on each group of devices" if rr.placement is not None else "")
             + (
                 f" (chunks of {rr.chunk_size})"
                 if rr.strategy == "vmap" and rr.chunk_size < count
