@@ -6,8 +6,9 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import numpy as np
 import pytest
-from test_sweep import GRID, compare, run, tiny
+from test_sweep import GRID, compare, replica_rows, run, run_sweep_in, tiny
 
 from fedorth.fed import RoundOutOfMemoryError
 from fedorth.sweep import Grid, ReplicaRound, SweepError, strategy
@@ -124,3 +125,30 @@ def test_out_of_memory_names_the_per_device_chunk(monkeypatch):
         "chunk: 4 replicas at once on each device; 1 runs one at a time)."
     )
     assert f"error: {message} |" in ERRORS
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_devices
+def test_a_resume_reads_the_checkpoint_whatever_the_placement(tmp_path):
+    """Two rounds of seed 42 on 8 groups of one device; then seed 43 added on 4 groups of two
+    devices (the new replica catches up on its own group); then the finished sweep again on one
+    device. The rows are those of the sweep run without a stop on one device, to float32
+    rounding (vmapped per group there, one at a time here)."""
+    grid = {"seed": [42, 43], "optim.learning_rate": [0.1]}
+    run_sweep_in(tmp_path / "reference", grid, 4)
+    workdir = tmp_path / "s"
+    out = run_sweep_in(workdir, {**grid, "seed": [42]}, 2, devices_per_replica=1)
+    assert "Placed 1 replicas on 8 devices of 1 process: 8 groups of 1 device" in out, out
+    out = run_sweep_in(workdir, grid, 4, devices_per_replica=2)
+    assert "Resumed the sweep from round 2" in out, out
+    assert "New in the grid, run from round 0 up to round 2 first" in out, out
+    out = run_sweep_in(workdir, grid, 4)
+    assert "Resumed the sweep from round 4" in out, out
+    rows, reference = replica_rows(workdir), replica_rows(tmp_path / "reference")
+    assert sorted(rows) == sorted(reference) and len(rows) == 2
+    for name, theirs in reference.items():
+        assert [row["round"] for row in rows[name]] == list(range(5)), name
+        for a, b in zip(rows[name], theirs, strict=True):
+            assert a.keys() == b.keys(), name
+            for key in a:
+                np.testing.assert_allclose(a[key], b[key], rtol=2e-5, atol=2e-6, err_msg=name)
