@@ -152,3 +152,22 @@ def test_a_resume_reads_the_checkpoint_whatever_the_placement(tmp_path):
             assert a.keys() == b.keys(), name
             for key in a:
                 np.testing.assert_allclose(a[key], b[key], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "line, crossing",
+    [
+        ("%ar = f32[] all-reduce(f32[] %x), channel_id=1, replica_groups={{0,1},{2,3}}", False),
+        ("%ar = f32[] all-reduce(f32[] %x), channel_id=1, replica_groups={{0,2},{1,3}}", True),
+        ("%ar = f32[] all-reduce(f32[] %x), channel_id=1, replica_groups={}", True),
+        ("%ag = f32[4] all-gather-start(f32[2] %x), replica_groups=[2,2]<=[4]", False),
+        ("%ag = f32[4] all-gather(f32[2] %x), replica_groups=[2,2]<=[2,2]T(1,0)", True),
+        ("%cp = f32[] collective-permute(f32[] %x), source_target_pairs={{0,1},{1,0}}", False),
+        ("%cp = f32[] collective-permute(f32[] %x), source_target_pairs={{1,2}}", True),
+    ],
+)
+def test_collectives_across_replicas_are_read_from_the_programs_text(line, crossing):
+    """Groups of 2 devices (4 devices, devices_per_replica=2): a group of devices 0 and 1 stays
+    within replica group 0; {} is every device."""
+    placement = placement_lib.place(2, devices_per_replica=2, devices=jax.devices()[:4])
+    assert bool(placement_lib.cross_replica_collectives(line, placement)) == crossing

@@ -243,7 +243,7 @@ def collectives(hlo_text: str) -> list[tuple[str, list[list[int]]]]:
                 ]
             else:
                 groups = _iota_groups(text)
-        found.append((op, groups))
+        found.append((op, [g for g in groups if g]))  # "{}": one group of every device
     return found
 
 
