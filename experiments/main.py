@@ -31,6 +31,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import launch
 from fedorth import catalog
 from fedorth.catalog import ConfigArgumentError, config_dir, resolve_config_argv
 
@@ -41,18 +42,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics, checkpoints
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard a different run in --workdir.")
 _LIST = flags.DEFINE_bool(
     "list", False, "Print the algorithms, configs and presets, models, datasets, optimizers."
-)
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() first (multi-host runs)."
-)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, n).")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_s",
-    10,
-    "With --distributed: seconds without a heartbeat after which a silent process (a host that "
-    "lost power) counts as dead and the others stop; a killed process is found in about 2 s.",
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run",
@@ -112,16 +101,9 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    distributed = _DISTRIBUTED.value or _COORDINATOR.value
+    distributed = launch.initialize()
     if distributed:
         from fedorth.train import distributed as multiprocess
-
-        multiprocess.initialize(
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            heartbeat_timeout_s=_HEARTBEAT.value,
-        )
     config = _CONFIG.value
     # switches of model, optimizer (and its learning rate) and algorithm
     catalog.apply_command_line_switches(config, flags.FLAGS["config"])

@@ -23,6 +23,12 @@ signals, deleted folders). Ctrl-C or SIGTERM stops after the round in progress, 
 ``sequential`` (one compiled round, run once per replica) or ``vmap``;
 ``--replica_chunk_size`` bounds the replicas vmapped at once.
 
+``--distributed`` (with ``experiments.main``'s launch flags, or detected under SLURM and Open
+MPI) runs the sweep on every device of every process, and ``--sweep.devices_per_replica=k``
+lays each replica's clients over ``k`` devices (alone, over the devices of one process): the
+replicas are placed on groups of devices that share nothing (``fedorth.sweep.placement``); the
+sweep says how in one line, and each process writes the folders of the replicas on its devices.
+
 ``--sweep.shard=i/n`` runs slice ``i`` of ``n`` of the grid (replicas ``i``, ``i + n``, ...) as
 an independent job in the same workdir (a SLURM job array); ``experiments.report WORKDIR`` reads
 the union (docs/SWEEPS.md).
@@ -36,6 +42,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import launch
 from fedorth import catalog
 from fedorth.catalog import ConfigArgumentError, resolve_config_argv
 
@@ -56,20 +63,30 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 _GRID: dict[str, str] = {}
 _SHARD: list[tuple[int, int]] = []
+_DEVICES_PER_REPLICA: list[int] = []
 
 
 def flags_parser(argv: list[str]) -> list[str]:
     """Takes the ``--sweep.*`` grid out of ``argv``, resolves ``--config``, parses the flags."""
-    from fedorth.sweep.grid import SweepError, parse_shard, parse_sweep_argv
+    from fedorth.sweep.grid import (
+        SweepError,
+        parse_devices_per_replica,
+        parse_shard,
+        parse_sweep_argv,
+    )
 
     try:
         argv, grid = parse_sweep_argv(argv)
+        if "devices_per_replica" in grid:
+            _DEVICES_PER_REPLICA.append(parse_devices_per_replica(grid.pop("devices_per_replica")))
         if "shard" in grid:
             _SHARD.append(parse_shard(grid.pop("shard")))
-            launch = [a for a in argv if a.startswith(("--distributed", "--coordinator_address"))]
-            if launch:
+            launching = [
+                a for a in argv if a.startswith(("--distributed", "--coordinator_address"))
+            ]
+            if launching:
                 raise SweepError(
-                    f"--sweep.shard with {launch[0].partition('=')[0]}: a slice of the grid is "
+                    f"--sweep.shard with {launching[0].partition('=')[0]}: a slice of the grid is "
                     "an independent job of one process; run the slices as separate jobs "
                     "without --distributed, or the whole grid with --distributed."
                 )
@@ -100,6 +117,11 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    distributed = launch.initialize()
+    if distributed:
+        from fedorth.train import distributed as multiprocess
+    # Several processes, or --sweep.devices_per_replica: the replicas over every device.
+    per_replica = _DEVICES_PER_REPLICA[0] if _DEVICES_PER_REPLICA else (0 if distributed else None)
     config = _CONFIG.value
     values = dict(config_section(config))
     if "sweep" in config:
@@ -119,10 +141,14 @@ def main(argv):
             replica_strategy=_STRATEGY.value,
             replica_chunk_size=_CHUNK.value,
             overwrite=_OVERWRITE.value,
+            devices_per_replica=per_replica,
         )
     except (SweepError, *train.USER_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, SweepError | train.ConfigError) else 1)
+        code = 2 if isinstance(e, SweepError | train.ConfigError) else 1
+        if distributed:  # the others may wait in a collective for this one: leave at once
+            multiprocess.leave(code, together=False)
+        sys.exit(code)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the loop's message names the rounds
         for signum in (signal.SIGINT, signal.SIGTERM):  # no traceback from a further one
             signal.signal(signum, signal.SIG_IGN)
@@ -133,7 +159,14 @@ def main(argv):
             stop = stop.__context__  # through what the clean-up raised and handled
         e = stop or e
         print(f"\n{e}" if str(e) else "\ninterrupted", file=sys.stderr)
-        sys.exit(128 + (getattr(e, "signum", None) or signal.SIGINT))
+        code = 128 + (getattr(e, "signum", None) or signal.SIGINT)
+        if distributed:  # every process stopped at the same round, or this one at once
+            multiprocess.leave(code, together=not getattr(e, "at_once", True))
+        sys.exit(code)
+    except Exception:
+        if distributed:  # a collective failed because a process died: one line naming it
+            multiprocess.exit_if_peers_lost()
+        raise
 
 
 if __name__ == "__main__":

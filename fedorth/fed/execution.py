@@ -139,6 +139,12 @@ def _run_sharded(
         return reduce.psum(stats, spread, "clients"), stacked
 
     spec = PartitionSpec("clients")
+    # Inside a sweep's shard_map over its replica axis (fedorth.sweep.placement), the clients
+    # split over the devices of their replica's group: the context's mesh, its "clients" axis.
+    context = jax.sharding.get_abstract_mesh()
+    nested = {"axis_names": {"clients"}} if context.manual_axes else {}
+    if nested:
+        mesh = context
     # `shared` (server state, data) enters replicated. check_vma=False: the summary is replicated
     # by construction (all-reduced), and the integer schedule counters it carries are equal on
     # every client.
@@ -148,6 +154,7 @@ def _run_sharded(
         in_specs=(PartitionSpec(), spec),
         out_specs=(PartitionSpec(), spec),
         check_vma=False,
+        **nested,
     )(shared, xs)
 
 

@@ -268,6 +268,20 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
+def parse_devices_per_replica(text: str) -> int:
+    """``--sweep.devices_per_replica=k``: a count of devices >= 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise SweepError(
+            f"--sweep.devices_per_replica={text}: give the devices that run one replica's "
+            "clients, a whole number >= 1 (e.g. --sweep.devices_per_replica=2)."
+        )
+    return count
+
+
 def parse_sweep_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """Splits ``--sweep.KEY=VALUES`` arguments from ``argv``.
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pathlib
 import resource
 import shutil
@@ -56,13 +57,15 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from fedorth.sweep import placement as placement_lib
 from fedorth.sweep.grid import Grid, SweepError, replica_name
 from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
-from fedorth.train import builders, loop, plots, privacy
+from fedorth.train import builders, distributed, loop, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
@@ -74,6 +77,9 @@ SWEEP_FILE = "sweep.json"
 DIVERGED_FILE = loop.DIVERGED_FILE
 LOCK_FILES = 2
 """Open files a replica folder's lock holds (``fedorth.train.workdir.WorkdirLock``)."""
+UNITS_KEY = "sweep_units"
+"""The key, in the identity a sweep placed on several devices saves with its checkpoints, of
+the replica in each slot of each call (``ReplicaRound.units``): the saved arrays' rows."""
 GRID_KEY = "sweep_grid"
 """The key of the grid (``[[key, values], ...]``, in order) in a sweep's identity."""
 
@@ -155,6 +161,7 @@ class _Plan:
         self.grid = grid
         self.saved: dict[tuple, int] = {}
         self.removed: list[str] = []
+        self.units = None
         if saved is None:
             return
         keys = [key for key, _ in saved[GRID_KEY]]
@@ -168,6 +175,7 @@ class _Plan:
             if _replica_key(values) not in now:
                 self.removed.append(replica_name(values))
         self.old_count = len(self.saved)
+        self.units = saved.get(UNITS_KEY)
 
 
 def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
@@ -220,10 +228,11 @@ def _plan(workdir: pathlib.Path, config, grid: Grid, overwrite: bool) -> _Plan:
             f"{workdir} holds another sweep ({reason}). Use another --workdir (this one keeps "
             "that sweep)."
         )
-    for child in workdir.iterdir():
-        if child.is_dir() and (child.name == "checkpoints" or (child / "config.json").exists()):
-            shutil.rmtree(child)
-    (workdir / SWEEP_FILE).unlink(missing_ok=True)
+    if jax.process_index() == 0:  # the other processes of a multi-process sweep wait for it
+        for child in workdir.iterdir():
+            if child.is_dir() and (child.name == "checkpoints" or (child / "config.json").exists()):
+                shutil.rmtree(child)
+        (workdir / SWEEP_FILE).unlink(missing_ok=True)
     return _Plan(grid, None)
 
 
@@ -354,10 +363,14 @@ def _params_finite(params) -> bool:
 
 def _add_replica_strategy(path: pathlib.Path, replica_round: ReplicaRound) -> None:
     """``run_info.json`` also says how the replicas ran and, on an accelerator, the timings
-    ``--replica_strategy=auto`` chose by (``fedorth.sweep.strategy``)."""
+    ``--replica_strategy=auto`` chose by (``fedorth.sweep.strategy``); placed on several
+    devices, where and the compiled round's collectives (none across replicas)."""
     info = json.loads(path.read_text())
     info["replica_strategy"] = replica_round.strategy
     info["replica_strategy_selection"] = replica_round.replica_selection
+    if replica_round.placement is not None:
+        info["replica_placement"] = replica_round.placement.describe()
+        info["replica_collectives"] = replica_round.collectives()
     loop._write_atomic(path, json.dumps(info, indent=2))
 
 
@@ -383,8 +396,14 @@ def run_sweep(
     replica_chunk_size: int = 0,
     overwrite: bool = False,
     stream=None,
+    devices_per_replica: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs (or resumes) the sweep of ``grid`` over ``config`` in ``workdir``.
+
+    With ``devices_per_replica`` (a number; 0: one device each) the replicas run on groups of
+    that many devices of every process (:mod:`fedorth.sweep.placement`); in a multi-process run
+    (``jax.distributed``) every process calls it with the same arguments, the checkpoint is
+    written by all of them together, and each replica's folder by the process that owns it.
 
     Returns:
       Each replica's last ``metrics.jsonl`` row, in the order of ``grid.replicas()`` (the saved
@@ -396,33 +415,78 @@ def run_sweep(
       One of :data:`fedorth.train.loop.USER_ERRORS`, when the input or the disk is at fault.
     """
     stream = stream or sys.stderr
+    if devices_per_replica is None:
+        return _run_sweep(
+            config, grid, workdir, replica_strategy, replica_chunk_size, overwrite, stream, None
+        )
+    placement_lib.check_same_in_every_process(
+        json.dumps(
+            [
+                sweep_identity(config, grid),
+                replica_strategy,
+                replica_chunk_size,
+                devices_per_replica,
+            ],
+            sort_keys=True,
+        )
+    )
+    if jax.process_index() != 0:  # one process says what the sweep does
+        stream = open(os.devnull, "w")  # noqa: SIM115 -- for the sweep's whole life
+    # A replica's round runs on its group's devices, not over every process's.
+    with distributed.rounds_of_replicas():
+        return _run_sweep(
+            config,
+            grid,
+            workdir,
+            replica_strategy,
+            replica_chunk_size,
+            overwrite,
+            stream,
+            devices_per_replica,
+        )
+
+
+def _run_sweep(
+    config, grid, workdir, replica_strategy, replica_chunk_size, overwrite, stream, per_replica
+):
     workdir = workdir_lib.resolve(workdir)
     for values in grid.samples():  # each key's extremes, before anything is loaded or compiled
         validate(grid.replica_config(values))
+    owners = None
+    if per_replica is not None:
+        owners = placement_lib.place(grid.count, devices_per_replica=per_replica)
     check_size(config, grid, stream)
     # One job of --sweep.shard keeps its state in a folder of its own: the jobs share the
     # workdir and its replica folders (each job holds its replicas' locks), and a second job of
     # the same slice is refused by that folder's lock.
     state = workdir if grid.shard[1] == 1 else workdir / shard_folder(*grid.shard)
-    lock = workdir_lib.WorkdirLock(state)
+    # Several processes: process 0 holds the sweep's lock, each process its replicas' folders'.
+    lock = workdir_lib.lock_for_all_processes(state, jax.process_index(), jax.process_count())
     locks: list[workdir_lib.WorkdirLock] = []
     try:
         plan = _plan(state, config, grid, overwrite)
         grid = plan.grid
-        with loop._disk_space(state / SWEEP_FILE, None, None):
-            loop._write_atomic(
-                state / SWEEP_FILE, json.dumps(sweep_identity(config, grid), indent=2)
-            )
+        _agree("the saved sweep is read")
+        if jax.process_index() == 0:
+            with loop._disk_space(state / SWEEP_FILE, None, None):
+                loop._write_atomic(
+                    state / SWEEP_FILE, json.dumps(sweep_identity(config, grid), indent=2)
+                )
         replicas = grid.replicas()
         folders = [workdir / replica_name(values) for values in replicas]
         had_rows = [(f / "metrics.jsonl").exists() for f in folders]
+        owned = set(range(len(folders)) if owners is None else owners.owned())
         counter = _Counter(f"Preparing {len(folders)} replica folders", len(folders), stream)
         for index, folder in enumerate(folders):
+            if index not in owned:
+                continue
             locks.append(workdir_lib.WorkdirLock(folder))  # a single run there is refused
             _own_checkpoints(folder)
             with loop._disk_space(folder / "config.json", None, None):
                 loop._prepare_workdir(grid.replica_config(replicas[index]), folder, overwrite)
             counter(index + 1)
+        if owners is not None:
+            _agree("the replica folders are ready")
         if plan.removed:
             print(
                 f"Not in the grid any more, kept as they are (the sweep's next checkpoints do not "
@@ -439,39 +503,78 @@ def run_sweep(
             replica_strategy,
             replica_chunk_size,
             stream,
+            per_replica,
         )
     finally:
         for replica_lock in locks:
             replica_lock.release()
-        lock.release()
+        if lock is not None:
+            lock.release()
+
+
+def _agree(what: str) -> None:
+    """Waits until every process of a multi-process sweep has reached this point."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"fedorth sweep: {what}")
 
 
 def _run_locked(
-    config, grid, plan, workdir, folders, had_rows, replica_strategy, chunk_size, stream
+    config,
+    grid,
+    plan,
+    workdir,
+    folders,
+    had_rows,
+    replica_strategy,
+    chunk_size,
+    stream,
+    per_replica,
 ):
     replicas = grid.replicas()
     building = _Counter(f"Building {len(replicas)} replicas", len(replicas), stream)
     replica_round = ReplicaRound.from_grid(
-        grid, strategy=replica_strategy, chunk_size=chunk_size, on_build=building
+        grid,
+        strategy=replica_strategy,
+        chunk_size=chunk_size,
+        on_build=building,
+        devices_per_replica=per_replica,
     )
+    owned = set(replica_round.owned())
+    devices = replica_round.replicas[0].experiment.round_fn.devices
+    if replica_round.placement is not None:
+        print(replica_round.placement.describe(), file=stream)
+        devices = list(replica_round.placement.mesh.devices.flat)
+        replica_round.collectives()  # compiled once here, in every process
     described = types.SimpleNamespace(
         strategy=replica_round.client_strategy,
         selection=replica_round.selection,
-        devices=replica_round.replicas[0].experiment.round_fn.devices,
+        devices=devices,
     )
-    for folder in folders:
+    for index, folder in enumerate(folders):
+        if index not in owned:
+            continue
         with loop._disk_space(folder / "run_info.json", None, None):
             loop._write_run_info(folder, described)
             _add_replica_strategy(folder / "run_info.json", replica_round)
+    identity = sweep_identity(config, grid)
+    if replica_round.placement is not None:  # rows of the saved [calls, slots, ...] arrays
+        identity[UNITS_KEY] = replica_round.units
     checkpointer = Checkpointer(
-        workdir, every=int(config.get("checkpoint_every", 0)), config=sweep_identity(config, grid)
+        workdir, every=int(config.get("checkpoint_every", 0)), config=identity
     )
     # Each replica is a run of the trackers, under the sweep's parent run (MLflow).
-    parent = trackers_lib.make_parent(config, workdir, folders[0].parent)
+    parent = None
+    if jax.process_index() == 0:
+        parent = trackers_lib.make_parent(config, workdir, folders[0].parent)
     sweep_run = trackers_lib.Composite([parent] if parent is not None else [])
     sweep_run.start(config.to_dict(), [])
     writers = []
-    for folder, values in zip(folders, replicas, strict=True):
+    for index, (folder, values) in enumerate(zip(folders, replicas, strict=True)):
+        if index not in owned:
+            writers.append(None)
+            continue
         replica_config = grid.replica_config(values)
         writers.append(
             MetricsWriter(
@@ -482,17 +585,19 @@ def _run_locked(
             )
         )
     sweep = _Sweep(config, replica_round, folders, writers, checkpointer, stream)
-    signals = loop._Signals()
+    signals = loop._Signals(processes=jax.process_count())
     finished = False
     try:
         with signals:
             rows = sweep.run(plan, had_rows, signals)
         for writer, folder in zip(writers, folders, strict=True):
-            writer.finish(trackers_lib.finished_files(folder))
+            if writer is not None:
+                writer.finish(trackers_lib.finished_files(folder))
         finished = True
     finally:
         for writer in writers:
-            writer.close()
+            if writer is not None:
+                writer.close()
         sweep_run.close(finished)
         checkpointer.close()
     sweep.summary(rows)
@@ -513,7 +618,7 @@ class _Sweep:
         self.wall_offset = 0.0
         states = replica_round.initial_states()
         self.comm_row = loop.communication_row(
-            replica_round.replicas[0].experiment, replica_round.replica_state(states, 0)
+            replica_round.replicas[0].experiment, replica_round._initial[0]
         )
         self.initial = states
         self.done = 0
@@ -525,6 +630,8 @@ class _Sweep:
         if not plan.saved:
             return {}, 0
         rr = self.replica_round
+        if rr.placement is not None or plan.units is not None:
+            return self._restore_on_host(plan)
         stacked = rr.stack(self.initial)
         positions = np.zeros(plan.old_count, dtype=int)
         like = jax.tree.map(lambda x: x[positions], stacked.replace(round=None))
@@ -539,6 +646,38 @@ class _Sweep:
                 found[index] = state.replace(round=restored.round)
         return found, int(restored.round)
 
+    def _restore_on_host(self, plan):
+        """``_restore`` of a sweep placed on several devices, or saved by one: every process
+        reads the whole checkpoint (orbax's multi-process restore reads the arrays it is given
+        the shape of; as host arrays, every row) and picks the grid's replicas' rows."""
+        rr = self.replica_round
+        units = plan.units or [list(range(plan.old_count))]
+        shape = (len(units), len(units[0])) if plan.units else (plan.old_count,)
+        first = rr._initial[0]
+        impl = jax.random.key_impl(first.key)
+        host = first.replace(key=jax.random.key_data(first.key), round=None)
+        like = jax.tree.map(lambda x: np.zeros((*shape, *x.shape), x.dtype), host)
+        like = like.replace(
+            key=jax.random.wrap_key_data(like.key, impl=impl),
+            round=np.zeros((), np.asarray(first.round).dtype),
+        )
+        restored = self.checkpointer.restore_latest(like, on_host=True)
+        if restored is None:
+            return {}, 0
+        flat = restored.replace(round=None)
+        if plan.units:
+            flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), flat)
+        rows = {}
+        for position, old in enumerate(r for unit in units for r in unit):
+            rows.setdefault(old, position)
+        found = {}
+        for index, values in enumerate(rr.replicas):
+            old = plan.saved.get(_replica_key(values.values))
+            if old is not None:
+                state = jax.tree.map(lambda x, r=rows[old]: x[r], flat)
+                found[index] = state.replace(round=jnp.asarray(restored.round))
+        return found, int(restored.round)
+
     def _expected_rounds(self, done: int) -> set[int]:
         if self.eval_every <= 0:
             return {done} if done >= self.rounds else set()
@@ -550,6 +689,8 @@ class _Sweep:
         restored, done = self._restore(plan)
         again: list[int] = [i for i in range(count) if i not in restored]
         for index in sorted(restored):
+            if self.writers[index] is None:  # another process's replica
+                continue
             path = self.writers[index].path
             with loop._disk_space(path, None, self.checkpointer):
                 kept = self.writers[index].resume(done, exact=self.comm_row)
@@ -574,7 +715,7 @@ class _Sweep:
                     ", ".join(map(str, lost[:5])) + (" ..." if len(lost) > 5 else ""),
                     done,
                 )
-        again.sort()
+        again = _union(again, count)
         if done:
             print(f"Resumed the sweep from round {done} in {self.workdir}.", file=self.stream)
             new = [
@@ -589,10 +730,12 @@ class _Sweep:
                     file=self.stream,
                 )
         for index in again:
-            (self.folders[index] / DIVERGED_FILE).unlink(missing_ok=True)
+            if self.writers[index] is not None:
+                (self.folders[index] / DIVERGED_FILE).unlink(missing_ok=True)
             self.diverged.pop(index, None)
         print(
             f"Sweep of {count} replicas x {self.rounds} rounds: replicas {rr.strategy}"
+            + (" on each group of devices" if rr.placement is not None else "")
             + (
                 f" (chunks of {rr.chunk_size})"
                 if rr.strategy == "vmap" and rr.chunk_size < count
@@ -610,6 +753,8 @@ class _Sweep:
             states = rr.unstack(_stack_states([restored[i] for i in range(count)]))
         else:
             for writer in self.writers:
+                if writer is None:
+                    continue
                 with loop._disk_space(writer.path, None, self.checkpointer):
                     writer.resume(-1)
         if done and (again or plan.removed):
@@ -627,12 +772,23 @@ class _Sweep:
             self.checkpointer.save(rr.stack(states), force=True)
         if not ran:  # a finished sweep started again (the loop draws its last round's curves)
             self._save_curves(range(count))
-        return [last[i] if last[i] else (self.writers[i].rows() or [{}])[-1] for i in range(count)]
+        rows = {
+            i: last[i] if last[i] else (self.writers[i].rows() or [{}])[-1]
+            for i in range(count)
+            if self.writers[i] is not None
+        }
+        return _gather_rows(rows, count)
 
     def _catch_up(self, states, restored, again, done, signals):
         """Runs the replicas in ``again`` (new in the grid, or whose rows were lost) from round 0
         to round ``done``, then joins them to the restored ones."""
         rr = self.replica_round
+        placed = {}
+        if rr.placement is not None:  # each replica on its group: its owner writes its rows
+            placed = dict(
+                devices_per_replica=rr.devices_per_replica,
+                assignment=[rr.placement.assignment[i] for i in again],
+            )
         sub = ReplicaRound(
             [rr.replicas[i].config for i in again],
             [rr.replicas[i].values for i in again],
@@ -640,8 +796,11 @@ class _Sweep:
             [rr.replicas[i].name for i in again],
             strategy=rr.strategy,
             chunk_size=rr.chunk_size if rr.strategy == "vmap" else 0,
+            **placed,
         )
         for index in again:
+            if self.writers[index] is None:
+                continue
             with loop._disk_space(self.writers[index].path, None, self.checkpointer):
                 self.writers[index].resume(-1)
         sub_states, _, _ = self._train(
@@ -649,7 +808,9 @@ class _Sweep:
         )
         per_replica = dict(restored)
         for position, index in enumerate(again):
-            per_replica[index] = sub.replica_state(sub_states, position)
+            per_replica[index] = sub.replica_state(
+                sub_states, position, everywhere=sub.placement is not None
+            )
         return rr.unstack(_stack_states([per_replica[i] for i in range(len(self.folders))]))
 
     # -- the rounds --------------------------------------------------------------------------
@@ -659,6 +820,7 @@ class _Sweep:
         the sweep's replica ``indices[k]``; with ``save``, checkpoints of the whole sweep."""
         stop = self.rounds if stop is None else stop
         evaluators = rr.evaluators()
+        owned = set(rr.owned())  # positions in rr of the replicas this process writes
         progress = Progress(self.rounds, start=done, stream=self.stream)
         start = time.perf_counter()
         last: dict[int, dict[str, Any]] = {}
@@ -677,6 +839,8 @@ class _Sweep:
             if done == 0 and self.eval_every > 0:
                 rows = []
                 for k, index in enumerate(indices):
+                    if k not in owned:
+                        continue
                     state = rr.replica_state(states, k)
                     row = {"round": 0, **evaluate(k, state), **self.comm_row}
                     row["wall_s"] = time.perf_counter() - start
@@ -690,7 +854,7 @@ class _Sweep:
                 is_eval = is_last or (self.eval_every > 0 and done % self.eval_every == 0)
                 rows = []
                 for k, index in enumerate(indices):
-                    if index in self.diverged:
+                    if index in self.diverged or k not in owned:
                         continue
                     loss = float(metrics[k]["train_loss"])
                     if not math.isfinite(loss):
@@ -752,6 +916,8 @@ class _Sweep:
 
     def _save_curves(self, indices) -> None:
         for index in indices:
+            if self.writers[index] is None:
+                continue
             folder = self.folders[index]
             with loop._disk_space(folder / "curves.png", None, self.checkpointer):
                 plots.save_curves(self.writers[index].rows(), folder / "curves.png")
@@ -775,8 +941,56 @@ class _Sweep:
         )
 
 
+def _union(indices: list[int], count: int) -> list[int]:
+    """``indices`` of every process of a multi-process sweep together, sorted (a collective)."""
+    if jax.process_count() == 1:
+        return sorted(indices)
+    from jax.experimental import multihost_utils
+
+    mask = np.zeros(count, np.int32)
+    mask[indices] = 1
+    gathered = np.asarray(multihost_utils.process_allgather(mask)).reshape(-1, count)
+    return [int(i) for i in np.flatnonzero(gathered.max(axis=0))]
+
+
+def _gather_rows(rows: dict[int, dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Each replica's row, in every process of a multi-process sweep (each holds the rows of
+    its own replicas; a collective)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        text = np.frombuffer(json.dumps(rows).encode(), np.uint8)
+        size = int(np.max(multihost_utils.process_allgather(np.int32(text.size))))
+        padded = np.zeros(size, np.uint8)
+        padded[: text.size] = text
+        gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, size)
+        rows = {}
+        for part in gathered:
+            rows.update(
+                {int(i): row for i, row in json.loads(part.tobytes().rstrip(b"\0")).items()}
+            )
+    return [rows.get(i, {}) for i in range(count)]
+
+
 def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The progress line's means over the replicas (of every process of a multi-process sweep:
+    a collective, at the same rounds in every process)."""
     keys = ("train_loss", "test_loss", "test_accuracy", "test_auc")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.array(
+            [[sum(row[k] for row in rows if k in row), sum(k in row for row in rows)] for k in keys]
+            + [[0.0, len(rows)]]
+        )
+        total = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, len(keys) + 1, 2)
+        total = total.sum(axis=0)
+        count = total[-1, 1]
+        return {
+            k: float(total[i, 0] / count)
+            for i, k in enumerate(keys)
+            if count and total[i, 1] == count
+        }
     return {
         k: float(np.mean([row[k] for row in rows]))
         for k in keys

@@ -124,8 +124,20 @@ def measure_replica_strategies(
     return selection
 
 
-def out_of_memory_message(strategy: str, chunk_size: int) -> str:
-    """What to change when a sweep round of ``strategy`` runs out of device memory."""
+def out_of_memory_message(strategy: str, chunk_size: int, placement=None) -> str:
+    """What to change when a sweep round of ``strategy`` runs out of device memory
+    (``placement``: the replicas' places on several devices, ``fedorth.sweep.placement``)."""
+    if placement is not None:
+        k = placement.devices_per_replica
+        where = f"each group of {k} devices" if k > 1 else "each device"
+        fix = (
+            f"lower --replica_chunk_size (the per-device chunk: {placement.chunk} replicas at "
+            f"once on {where}; 1 runs one at a time)"
+            if placement.chunk > 1
+            else "raise --sweep.devices_per_replica (a replica's clients over more devices), "
+            "or shrink one run (fed.strategy='chunked' with fed.chunk_size)"
+        )
+        return f"A sweep round ran out of device memory: {fix}."
     if strategy == "vmap" and chunk_size > 1:
         fix = (
             f"lower --replica_chunk_size (it runs {chunk_size} replicas at once; 1 runs one at "

@@ -293,8 +293,11 @@ class Checkpointer:
         for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def restore_latest(self, like: ServerState) -> ServerState | None:
+    def restore_latest(self, like: ServerState, *, on_host: bool = False) -> ServerState | None:
         """The newest intact checkpoint (structure of ``like``), or ``None`` if there is none.
+
+        ``on_host``: as NumPy arrays, whole in every process (a multi-process sweep reads every
+        replica's rows, whichever processes wrote them).
 
         Incomplete, unreadable or corrupted steps before it are moved to
         ``checkpoints_unreadable/`` and named in one warning line.
@@ -303,6 +306,8 @@ class Checkpointer:
           CheckpointError: checkpoints exist but none can be restored.
         """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(like))
+        if on_host:
+            abstract = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract)
         failed: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             if not _is_complete(self.directory / str(step)):

@@ -30,6 +30,7 @@ process's own heartbeat to it failed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import math
 import os
@@ -107,11 +108,26 @@ def round_mesh(clients_per_round: int) -> Mesh | None:
     devices share clients before processes do), so with ``g`` equal to a single process's ``d``
     the round's sums are those of one process over the same devices.
     """
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    if _REPLICA_ROUNDS or not jax.distributed.is_initialized() or jax.process_count() == 1:
         return None
     devices = np.array(jax.devices())
     groups = math.gcd(clients_per_round, devices.size)
     return Mesh(devices.reshape(groups, devices.size // groups), ("clients", COPIES_AXIS))
+
+
+_REPLICA_ROUNDS = False
+
+
+@contextlib.contextmanager
+def rounds_of_replicas():
+    """Within it :func:`round_mesh` is None: a sweep's replicas each run on their own group of
+    devices, placed by ``fedorth.sweep.placement``, not one round over every device."""
+    global _REPLICA_ROUNDS
+    before, _REPLICA_ROUNDS = _REPLICA_ROUNDS, True
+    try:
+        yield
+    finally:
+        _REPLICA_ROUNDS = before
 
 
 def agree_on_signal(signum: int) -> int:

@@ -1,0 +1,221 @@
+"""``python -m experiments.sweep ... --distributed``: a sweep over every device of every process,
+as real localhost processes of two CPU devices each (gloo), from docs/SWEEPS.md's recipe.
+
+One run serves the assertions of the main test: the recipe's two processes, one killed after
+the first checkpoint, the same command again: the sweep resumes, each replica's folder is written
+once (by the process whose devices run it), the checkpoint by both, and every replica equals its
+single run to float32 rounding.
+"""
+
+import io
+import json
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_distributed import _env, _free_port, _stop
+
+from configs import fedavg
+from fedorth.sweep import Grid
+from fedorth.sweep.runner import run_sweep
+
+ROOT = pathlib.Path(__file__).parent.parent
+SWEEPS = ROOT / "docs" / "SWEEPS.md"
+
+
+def recipe() -> tuple[dict[str, str], list[str]]:
+    """docs/SWEEPS.md's CPU recipe: its environment and its command (one process's)."""
+    blocks = re.findall(r"```bash\n(.*?)```", SWEEPS.read_text(), re.S)
+    block = next(b for b in blocks if "JAX_NUM_CPU_DEVICES" in b and "experiments.sweep" in b)
+    lines = block.replace("\\\n", " ").splitlines()
+    line = next(line for line in lines if "experiments.sweep" in line)
+    words = shlex.split(line.split("&")[0])  # without the shell's `&`: one process's command
+    env = dict(w.split("=", 1) for w in words[: words.index("python")])
+    return env, words[words.index("python") :]
+
+
+def _command(tmp_path: pathlib.Path, port: int, process: int) -> list[str]:
+    env, words = recipe()
+    out = []
+    for word in words:
+        flag, _, value = word.partition("=")
+        if flag == "--workdir":
+            word = f"--workdir={tmp_path / 'sweep'}"
+        elif flag == "--coordinator_address":
+            word = f"--coordinator_address=127.0.0.1:{port}"
+        out.append(word.replace("$i", str(process)))
+    assert out[:3] == ["python", "-m", "experiments.sweep"], out
+    return [sys.executable, *out[1:]]
+
+
+def _start(tmp_path, xla_cache, name: str, *extra: str) -> list[subprocess.Popen]:
+    env, _ = recipe()
+    port = _free_port()
+    processes = []
+    for i in range(2):
+        with (tmp_path / f"{name}_{i}.log").open("w") as out:
+            processes.append(
+                subprocess.Popen(
+                    [*_command(tmp_path, port, i), *extra],
+                    cwd=ROOT,
+                    env=_env(int(env["JAX_NUM_CPU_DEVICES"]), xla_cache),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return processes
+
+
+def _lines(log: pathlib.Path) -> list[str]:
+    """What a process said, without the progress lines and gloo's."""
+    return [
+        line for line in log.read_text().splitlines() if line and not line.startswith(("[", "W"))
+    ]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, xla_cache):
+    """The recipe; process 1 killed once round 3 ran (after checkpoint 2); the recipe again."""
+    tmp_path = tmp_path_factory.mktemp("distributed_sweep")
+    processes = _start(tmp_path, xla_cache, "first")
+    log = tmp_path / "first_0.log"
+    try:
+        deadline = time.monotonic() + 300
+        while "round 3/" not in log.read_text():
+            assert time.monotonic() < deadline and processes[0].poll() is None, log.read_text()
+            time.sleep(0.2)
+        processes[1].send_signal(signal.SIGKILL)
+        processes[0].wait(timeout=60)
+    finally:
+        _stop(processes)
+    first = processes[0].returncode, _lines(log), processes[1].pid
+    processes = _start(tmp_path, xla_cache, "again")
+    try:
+        for p in processes:
+            p.wait(timeout=300)
+    finally:
+        _stop(processes)
+    codes = [p.returncode for p in processes]
+    return tmp_path, first, codes
+
+
+def _reference(tmp_path: pathlib.Path) -> dict[str, list[dict]]:
+    """The recipe's sweep in this process, one replica at a time on one device: each replica's
+    single run, bit for bit (tests/test_sweep.py)."""
+    _, words = recipe()
+    config = fedavg.get_config()
+    grid = {}
+    for word in words:
+        flag, _, value = word.partition("=")
+        if flag.startswith("--config."):
+            *path, key = flag.removeprefix("--config.").split(".")
+            node = config
+            for part in path:
+                node = node[part]
+            node[key] = type(node[key])(value)
+        elif flag.startswith("--sweep."):
+            grid[flag.removeprefix("--sweep.")] = value
+    run_sweep(config, Grid(config, grid), tmp_path / "reference", stream=io.StringIO())
+    return {
+        folder.name: _rows(folder)
+        for folder in (tmp_path / "reference").iterdir()
+        if (folder / "metrics.jsonl").exists()
+    }
+
+
+def _rows(folder: pathlib.Path) -> list[dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k != "wall_s"} for row in rows]
+
+
+@pytest.mark.slow
+def test_the_recipe_resumes_after_a_process_is_killed_and_equals_the_single_runs(
+    killed_and_resumed, tmp_path
+):
+    workdir, (code, lines, victim), codes = killed_and_resumed
+    # The survivor names the killed process in one line, exit code 1.
+    assert code == 1, lines
+    assert len(lines) == 1 or lines[-1].startswith("error: process 1"), lines
+    assert lines[-1].startswith(f"error: process 1 (pid {victim} on "), lines
+    assert "Start the same command on every process again" in lines[-1]
+    assert codes == [0, 0], [(workdir / f"again_{i}.log").read_text()[-3000:] for i in range(2)]
+    said = (workdir / "again_0.log").read_text()
+    assert "Resumed the sweep from round 2" in said, said
+    # 3 replicas over 4 devices: one slot of the round runs a copy.
+    assert (
+        "Placed 3 replicas on 4 devices of 2 processes: 4 groups of 1 device "
+        "(--sweep.devices_per_replica) with 0 to 1 replicas each" in said
+    ), said
+    assert "Finished the sweep at round 6: 3 replicas" in said
+    # Process 1 prints nothing of the sweep's: process 0 speaks for it.
+    assert "Finished the sweep" not in (workdir / "again_1.log").read_text()
+    sweep = workdir / "sweep"
+    folders = sorted(f.name for f in sweep.iterdir() if f.is_dir())
+    assert folders == ["checkpoints", "seed=42", "seed=43", "seed=44"], folders
+    assert (
+        sorted(int(p.name) for p in (sweep / "checkpoints").iterdir() if p.name.isdigit())[-1] == 6
+    )
+    reference = _reference(tmp_path)
+    assert sorted(reference) == ["seed=42", "seed=43", "seed=44"]
+    for name, theirs in reference.items():
+        ours = _rows(sweep / name)
+        # Each round's row once: written by one process, cut back to the checkpoint and
+        # written again after the kill.
+        assert [row["round"] for row in ours] == list(range(7)), name
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.keys() == b.keys(), name
+            for key in a:
+                np.testing.assert_allclose(a[key], b[key], rtol=2e-5, atol=2e-6, err_msg=name)
+        info = json.loads((sweep / name / "run_info.json").read_text())
+        assert len(info["round_devices"]) == 4, info["round_devices"]
+        # The compiled round, read in each process: one replica per device, no collective.
+        assert info["replica_collectives"] == {"count": 0, "across_replicas": []}, info
+
+
+@pytest.mark.slow
+def test_processes_given_other_grids_are_refused_in_one_line(tmp_path, xla_cache):
+    """Every process compares a digest of its config and grid with the others' at the start."""
+    env, _ = recipe()
+    port = _free_port()
+    processes = []
+    for i, seeds in enumerate(["42,43", "42,44"]):
+        command = [
+            *[w for w in _command(tmp_path, port, i) if not w.startswith("--sweep.seed=")],
+            f"--sweep.seed={seeds}",
+        ]
+        processes.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=_env(int(env["JAX_NUM_CPU_DEVICES"]), xla_cache),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    finally:
+        _stop(processes)
+    message = (
+        "error: process 1 of the run's 2 got another config or grid than process 0 (another "
+        "--config, --config.*, --sweep.* or --replica_* flag, or another config file): start "
+        "every process with the same command."
+    )
+    for p, output in zip(processes, outputs, strict=True):
+        lines = [line for line in output.splitlines() if line and not line.startswith("[")]
+        assert p.returncode == 2, output[-3000:]
+        assert lines == [message], output[-3000:]
+    assert message in (ROOT / "docs" / "ERRORS.md").read_text()
+    assert not (tmp_path / "sweep").exists()
