@@ -20,7 +20,10 @@ FedAdagrad, so none is tuned for it).
 
 from configs import base, presets
 
-PRESETS = presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("adagrad"))
+PRESETS = {
+    **presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("adagrad")),
+    **presets.reddi_presets("fedadagrad"),
+}
 
 
 def get_config(arg: str | None = None):

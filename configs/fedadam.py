@@ -25,6 +25,7 @@ _SERVER = {"server_lr": 0.01, "server_b1": 0.9, "server_b2": 0.99, "server_tau":
 PRESETS = {
     **presets.fedpac_presets(presets.FEDPAC_OPTIM["sgd"], _SERVER),
     **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD, _SERVER),
+    **presets.reddi_presets("fedadam"),
 }
 
 

@@ -48,6 +48,7 @@ PRESETS = {
     **presets.fedmuon_liu_finetune_presets(presets.FEDMUON_LIU_FINETUNE_OPTIM["sgd"]),
     **presets.fedpac_finetune_presets(presets.FEDPAC_FINETUNE_OPTIM["sgd"]),
     **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD),
+    **presets.reddi_presets("fedavg"),
 }
 
 

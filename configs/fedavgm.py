@@ -16,7 +16,10 @@ from configs import base, presets
 
 _SERVER = {"server_lr": 1.0, "server_momentum": 0.9}
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["sgd"], _SERVER)
+PRESETS = {
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["sgd"], _SERVER),
+    **presets.reddi_presets("fedavgm"),
+}
 
 
 def get_config(arg: str | None = None):

@@ -108,6 +108,7 @@ PRESETS = {
         ),
         _OPTIONS,
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

@@ -37,6 +37,7 @@ PRESETS = {
         _OPTIONS,
         suffix="_ns_classic",
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

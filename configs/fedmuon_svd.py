@@ -33,6 +33,7 @@ PRESETS = {
         for short in ("resnet18", "vit")
     },
     **presets.fedpac_presets(fedmuon.muon(3e-2), _OPTIONS),
+    **presets.reddi_uniform_presets(),
 }
 
 

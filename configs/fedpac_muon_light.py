@@ -16,6 +16,7 @@ from configs import fedpac_muon, presets
 PRESETS = {
     "muon_reference": presets.muon_reference(0.9),
     **presets.fedpac_presets(presets.FEDPAC_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
 }
 
 

@@ -28,6 +28,7 @@ PRESETS = {
     **presets.fedpac_finetune_presets(
         presets.FEDPAC_FINETUNE_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"}
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

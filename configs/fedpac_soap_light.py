@@ -16,7 +16,10 @@ Table 6's light-variant experiment is ``cifar100_vit_dir0.05``.
 
 from configs import fedpac_soap, presets
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"})
+PRESETS = {
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
+}
 
 
 def get_config(arg: str | None = None):

@@ -14,7 +14,10 @@ values).
 
 from configs import fedpac_sophia, presets
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["sophia"], {"beta": 0.5, "aligned": "theta"})
+PRESETS = {
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["sophia"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
+}
 
 
 def get_config(arg: str | None = None):

@@ -17,7 +17,10 @@ runs FedYogi, so none is tuned for it).
 
 from configs import base, presets
 
-PRESETS = presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("yogi"))
+PRESETS = {
+    **presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("yogi")),
+    **presets.reddi_presets("fedyogi"),
+}
 
 
 def get_config(arg: str | None = None):
