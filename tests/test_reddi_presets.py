@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_data_natural as natural_files
@@ -94,6 +93,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.slow
 def test_each_task_preset_runs_through_the_command_line(tmp_path):
     """``python -m experiments.main --config=configs/<algorithm>.py:reddi_<task>_<rule>`` on
     FedJAX SQLite fixture files, with the federation cut down by overrides."""
