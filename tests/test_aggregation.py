@@ -109,25 +109,9 @@ def test_examples_weighted_scaffold_keeps_its_control_variate_uniform_over_n():
     ``N`` clients."""
     data = _data(seed=1)
     server = _run(fed.get_algorithm("scaffold", {"name": "sgd"}), data, strategy="vmap")
-    w, b = np.zeros((4, 3)), np.zeros(3)
-    c = [np.zeros((4, 3)), np.zeros(3)]
-    ci = [[np.zeros((4, 3)), np.zeros(3)] for _ in range(N)]
-    for r in range(R):
-        ids = fp.sampled_ids(jax.random.key(0), r, N, S)
-        deltas, dcs = [], []
-        for i in ids:
-            yw, yb = w.copy(), b.copy()
-            for _ in range(K):
-                gw, gb = fp.np_grads(data, i, yw, yb)
-                yw = yw - LR * (gw - ci[i][0] + c[0])
-                yb = yb - LR * (gb - ci[i][1] + c[1])
-            new = [ci[i][0] - c[0] + (w - yw) / (K * LR), ci[i][1] - c[1] + (b - yb) / (K * LR)]
-            dcs.append([new[0] - ci[i][0], new[1] - ci[i][1]])
-            deltas.append([yw - w, yb - b])
-            ci[i] = new
-        w = w + _weighted([d[0] for d in deltas], SIZES[ids])
-        b = b + _weighted([d[1] for d in deltas], SIZES[ids])
-        c = [c[0] + sum(d[0] for d in dcs) / N, c[1] + sum(d[1] for d in dcs) / N]
+    w, b, c, _ = fp.np_scaffold(
+        data, rounds=R, num_clients=N, clients_per_round=S, local_steps=K, lr=LR, sizes=SIZES
+    )
     np.testing.assert_allclose(server.params["w"], w, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(server.control["w"], c[0], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(server.control["b"], c[1], rtol=1e-10, atol=1e-12)
