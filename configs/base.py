@@ -54,6 +54,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.fed.strategy = "auto"  # fed.resolve_strategy | vmap | chunked | sequential | sharded
     config.fed.chunk_size = 0  # clients per chunk for 'chunked'
     config.fed.unroll = 1  # local-step scan unroll (True avoids XLA:CPU conv-in-loop slowness)
+    # how the server weighs the sampled clients: uniform (1/S) | examples (n_i / sum n_j,
+    # FedAvg's original rule; fedorth.fed.aggregation)
+    config.fed.aggregation = "uniform"
     config.fed.options = ml_collections.ConfigDict()  # the algorithm's own options (alpha, beta)
 
     config.optim = ml_collections.ConfigDict()

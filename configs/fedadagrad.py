@@ -16,11 +16,18 @@ Presets: the CIFAR-100 setting of FedPAC (Liu et al.) Table 1 and FedMuon (Liu e
 with FedAvg's local hyperparameters there (FedPAC Table 8/10 SGD row: lr 0.1, weight decay
 0.001) and FedAdam's server values (server lr 0.01, b1 0.9, tau 1e-3; neither paper runs
 FedAdagrad, so none is tuned for it).
+
+Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+(docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 
 from configs import base, presets
 
-PRESETS = presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("adagrad"))
+PRESETS = {
+    **presets.cifar100_presets(presets.FEDPAC_OPTIM["sgd"], presets.reddi_server("adagrad")),
+    **presets.reddi_presets("fedadagrad"),
+}
 
 
 def get_config(arg: str | None = None):

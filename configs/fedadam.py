@@ -16,6 +16,10 @@ the server Adam is Alg. 2's, without bias correction, the form these values were
 ``fedmuon_zg_sentiment140_rnn_tau{4,16}``, ``fedmuon_zg_cifar10_resnet18_dir0.5_tau4``, local SGD
 at lr 0.05 with weight decay 5e-4 (``presets.FEDMUON_ZG_SGD``, the starting point of that paper's
 other SGD baselines) and the same server Adam.
+
+Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+(docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 
 from configs import base, presets
@@ -25,6 +29,7 @@ _SERVER = {"server_lr": 0.01, "server_b1": 0.9, "server_b2": 0.99, "server_tau":
 PRESETS = {
     **presets.fedpac_presets(presets.FEDPAC_OPTIM["sgd"], _SERVER),
     **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD, _SERVER),
+    **presets.reddi_presets("fedadam"),
 }
 
 

@@ -26,6 +26,10 @@ Presets (configs/presets.py describes each setting):
   {resnet18,vit}_tau{4,16}``, ``fedmuon_zg_sentiment140_rnn_tau{4,16}``,
   ``fedmuon_zg_cifar10_resnet18_dir0.5_tau4``, plain SGD at lr 0.05 with weight decay 5e-4
   (``presets.FEDMUON_ZG_SGD``: the paper grid-searches and reports no value).
+
+Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+(docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 
 from configs import base, presets
@@ -48,6 +52,7 @@ PRESETS = {
     **presets.fedmuon_liu_finetune_presets(presets.FEDMUON_LIU_FINETUNE_OPTIM["sgd"]),
     **presets.fedpac_finetune_presets(presets.FEDPAC_FINETUNE_OPTIM["sgd"]),
     **presets.fedmuon_zg_presets(presets.FEDMUON_ZG_SGD),
+    **presets.reddi_presets("fedavg"),
 }
 
 

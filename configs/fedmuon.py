@@ -41,6 +41,9 @@ Presets (configs/presets.py):
   rank 16), alpha 0.5, the Muon above at lr 3e-3 -- the third value of Sec. 7's "3e-2, 2e-2,
   3e-3", read as the fine-tuning rate --, AdamW at 1e-4 for the non-matrix leaves (FedPAC (Liu
   et al.) Table 9's fine-tuning AdamW rate, also used by Local AdamW in these presets).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, presets
@@ -108,6 +111,7 @@ PRESETS = {
         ),
         _OPTIONS,
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

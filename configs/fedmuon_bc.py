@@ -17,6 +17,9 @@ momentum weight alpha = 0.1. The spectral LMO is the one of its LocalMuon preset
 Liu et al.'s (Jordan's) quintic coefficients, 5 steps; ``*_ns_classic``: Theorem 3's (15/8,
 -5/4, 3/8) on both sides. Appendix G's CIFAR-10 table lacks its FedMuon row in our copy of the
 paper: we use the FashionMNIST values there too.
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, presets
@@ -37,6 +40,7 @@ PRESETS = {
         _OPTIONS,
         suffix="_ns_classic",
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

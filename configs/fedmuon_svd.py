@@ -13,6 +13,9 @@ the Muon rate, no weight decay), 0.95.
 Presets: the same settings and values as ``configs/fedmuon.py`` (its Table 2, with FedMuon's
 Muon, ``presets.fedmuon_liu_muon``, and FedPAC (Liu et al.)'s settings), with ``svd_ratio = 0.05``;
 Table 7's ``Agg-m-SVD`` row is ``fedmuon_liu_table7_{resnet18,vit}_agg_m_svd`` (CIFAR-100, Dir-0.1).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, fedmuon, presets
@@ -33,6 +36,7 @@ PRESETS = {
         for short in ("resnet18", "vit")
     },
     **presets.fedpac_presets(fedmuon.muon(3e-2), _OPTIONS),
+    **presets.reddi_uniform_presets(),
 }
 
 

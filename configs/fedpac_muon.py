@@ -26,6 +26,9 @@ and norms.
 Fine-tuning (docs/FINETUNING.md): FedPAC (Liu et al.) Table 2 ``vit_base_{cifar100,tiny_imagenet}``,
 Table 9's FedPAC_Muon row (lr 1e-2, beta 0.5, beta1 0.9, wd 0.01), AdamW at Table 9's 1e-4 for
 biases and norms.
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, presets
@@ -37,6 +40,7 @@ PRESETS = {
     **presets.fedpac_finetune_presets(
         presets.FEDPAC_FINETUNE_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"}
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

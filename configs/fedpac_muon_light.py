@@ -9,6 +9,9 @@ Default preset: the FedPAC_Muon default (configs/fedpac_muon.py: Alg. 7's Muon) 
 ``muon_reference``, the Muon reference form it ran before, 0.9611).
 
 Presets: those of configs/fedpac_muon.py (Tables 1/3/12/13, Table 8/10 values, its Muon).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import fedpac_muon, presets
@@ -16,6 +19,7 @@ from configs import fedpac_muon, presets
 PRESETS = {
     "muon_reference": presets.muon_reference(0.9),
     **presets.fedpac_presets(presets.FEDPAC_OPTIM["muon"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
 }
 
 

@@ -18,6 +18,9 @@ betas (0.95, 0.95), weight decay 0.01): ``cifar100_resnet18``, ``cifar100_vit``,
 
 Fine-tuning (docs/FINETUNING.md): FedPAC (Liu et al.) Table 2 ``vit_base_{cifar100,tiny_imagenet}``,
 Table 9's FedPAC_SOAP row (lr 1e-3, beta 0.5, (0.95, 0.95), wd 0.01).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, presets
@@ -28,6 +31,7 @@ PRESETS = {
     **presets.fedpac_finetune_presets(
         presets.FEDPAC_FINETUNE_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"}
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

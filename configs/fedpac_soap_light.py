@@ -12,11 +12,17 @@ SOAP's rounds do). Only L and R are truncated (Theta, FedPAC (Liu et al.) Alg. 2
 
 Presets: those of configs/fedpac_soap.py (FedPAC (Liu et al.) Tables 1/3/12/13, Table 8/10 values);
 Table 6's light-variant experiment is ``cifar100_vit_dir0.05``.
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import fedpac_soap, presets
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"})
+PRESETS = {
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["soap"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
+}
 
 
 def get_config(arg: str | None = None):

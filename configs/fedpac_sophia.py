@@ -17,6 +17,9 @@ says why), f_h = 10; the table's "Muon" in that row is a typo): ``cifar100_resne
 
 Fine-tuning (docs/FINETUNING.md): FedPAC (Liu et al.) Table 2 ``vit_base_{cifar100,tiny_imagenet}``,
 Table 9's FedPAC_Sophia row (lr 1e-4, beta 0.5, (0.9, 0.99), wd 0.01).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import base, presets
@@ -27,6 +30,7 @@ PRESETS = {
     **presets.fedpac_finetune_presets(
         presets.FEDPAC_FINETUNE_OPTIM["sophia"], {"beta": 0.5, "aligned": "theta"}
     ),
+    **presets.reddi_uniform_presets(),
 }
 
 

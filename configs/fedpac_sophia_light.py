@@ -10,11 +10,17 @@ FedPAC aligns and uploads Theta = {h} only, Alg. 2; ``fed.options.aligned="state
 
 Presets: those of configs/fedpac_sophia.py (FedPAC (Liu et al.) Tables 1/3/12/13, Table 8/10
 values).
+
+Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
 """
 
 from configs import fedpac_sophia, presets
 
-PRESETS = presets.fedpac_presets(presets.FEDPAC_OPTIM["sophia"], {"beta": 0.5, "aligned": "theta"})
+PRESETS = {
+    **presets.fedpac_presets(presets.FEDPAC_OPTIM["sophia"], {"beta": 0.5, "aligned": "theta"}),
+    **presets.reddi_uniform_presets(),
+}
 
 
 def get_config(arg: str | None = None):

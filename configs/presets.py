@@ -816,3 +816,120 @@ def fedpac_finetune_presets(
         f"vit_base_{dataset}": _preset(fedpac_vit_base(dataset), optim, options)
         for dataset in ("cifar100", "tiny_imagenet")
     }
+
+
+# ------------------------------------------------------- Reddi et al. 2021's natural-client tasks
+
+# Reddi et al. 2021 ("Adaptive Federated Optimization") tasks: data, model, clients per round,
+# batch size, rounds (google-research/federated optimization/docs/hyperparameters.md, "Default
+# values"; 1 client epoch), and K, the local steps standing for that epoch (docs/FIDELITY.md).
+REDDI_TASKS: dict[str, dict[str, Any]] = {
+    "emnist": {
+        "data": {"name": "emnist", "num_clients": 3400},
+        "model": {"name": "emnist_cnn"},
+        "clients_per_round": 10,
+        "batch_size": 20,
+        "rounds": 1500,
+        "local_steps": 10,
+    },
+    "shakespeare": {
+        "data": {"name": "shakespeare", "num_clients": 715},
+        "model": {"name": "lstm_lm", "embed_dim": 8, "hidden_sizes": (256, 256), "projection": 0},
+        "clients_per_round": 10,
+        "batch_size": 4,
+        "rounds": 1200,
+        "local_steps": 10,
+    },
+    "stackoverflow": {
+        "data": {"name": "stackoverflow", "num_clients": 342477},
+        "model": {"name": "lstm_lm", "embed_dim": 96, "hidden_sizes": (670,), "projection": 96},
+        "clients_per_round": 50,
+        "batch_size": 16,
+        "rounds": 1500,
+        "local_steps": 25,
+    },
+}
+# Best log10 learning rates (client, server) and log10 epsilon of each server optimizer by task
+# (google-research/federated optimization/docs/hyperparameters.md, "Best hyperparameters").
+REDDI_RATES: dict[str, dict[str, tuple[float, float, float | None]]] = {
+    "emnist": {
+        "fedavg": (-1, 0, None),
+        "fedavgm": (-1.5, -0.5, None),
+        "fedadagrad": (-1.5, -1, -2),
+        "fedadam": (-1.5, -2.5, -4),
+        "fedyogi": (-1.5, -2.5, -4),
+    },
+    "shakespeare": {
+        "fedavg": (0, 0, None),
+        "fedavgm": (0, -0.5, None),
+        "fedadagrad": (0, -0.5, -1),
+        "fedadam": (0, -2, -3),
+        "fedyogi": (0, -2, -3),
+    },
+    "stackoverflow": {
+        "fedavg": (-0.5, 0, None),
+        "fedavgm": (-0.5, 0, None),
+        "fedadagrad": (-0.5, -1.5, -4),
+        "fedadam": (-0.5, -2, -5),
+        "fedyogi": (-0.5, -2, -5),
+    },
+}
+
+
+def reddi_task(task: str, aggregation: str) -> Preset:
+    """Reddi et al. 2021's ``task`` setting (:data:`REDDI_TASKS`) under ``fed.aggregation``
+    ``aggregation``: natural clients, constant learning rates, evaluation every 10 rounds."""
+    spec = REDDI_TASKS[task]
+
+    def setting(config):
+        config.data.name = spec["data"]["name"]
+        config.data.partition = "natural"
+        config.data.num_clients = spec["data"]["num_clients"]
+        config.model = ml_collections.ConfigDict({**spec["model"], "dtype": "float32"})
+        config.fed.rounds = spec["rounds"]
+        config.fed.clients_per_round = spec["clients_per_round"]
+        config.fed.local_steps = spec["local_steps"]
+        config.fed.batch_size = spec["batch_size"]
+        config.fed.aggregation = aggregation
+        config.optim.schedule = "constant"
+        config.eval_every = 10
+        config.checkpoint_every = 10
+        return config
+
+    return setting
+
+
+def reddi_options(algorithm: str, task: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(optim, fed.options)`` of Reddi et al.'s ``algorithm`` (fedavg, fedavgm, fedadagrad,
+    fedadam, fedyogi) on ``task`` at its tuned rates (:data:`REDDI_RATES`): local SGD without
+    momentum; FedAvgM's server momentum 0.9; the adaptive servers' betas (0.9, 0.99)."""
+    client, server, epsilon = REDDI_RATES[task][algorithm]
+    optim = {"name": "sgd", "learning_rate": 10.0**client}
+    if algorithm == "fedavg":
+        return optim, {}
+    if algorithm == "fedavgm":
+        return optim, {"server_lr": 10.0**server, "server_momentum": 0.9}
+    options = {**REDDI_SERVER, "server_lr": 10.0**server, "server_tau": 10.0**epsilon}
+    if algorithm != "fedadam":
+        options["server_opt"] = algorithm[len("fed") :]
+    if algorithm == "fedadagrad":
+        del options["server_b2"]
+    return optim, options
+
+
+def reddi_presets(algorithm: str) -> dict[str, Preset]:
+    """``reddi_<task>_examples``: Reddi et al.'s tasks with ``algorithm`` at the tuned rates,
+    clients weighted by their example counts (the released code's ``tff.federated_mean`` weighted
+    by the examples each client processed)."""
+    return {
+        f"reddi_{task}_examples": _preset(
+            reddi_task(task, "examples"), *reddi_options(algorithm, task)
+        )
+        for task in REDDI_TASKS
+    }
+
+
+def reddi_uniform_presets() -> dict[str, Preset]:
+    """``reddi_<task>_uniform``: Reddi et al.'s tasks with an algorithm's own default optimizer
+    and options, clients weighted uniformly as in that algorithm's paper."""
+    return {f"reddi_{task}_uniform": reddi_task(task, "uniform") for task in REDDI_TASKS}

@@ -73,6 +73,36 @@ def np_grads(data, i, w, b):
     return data["H"][i] @ (w - data["B"][i]), b - data["c"][i]
 
 
+def np_scaffold(data, *, rounds, num_clients, clients_per_round, local_steps, lr, sizes=None):
+    """Float64 SCAFFOLD (Karimireddy et al. 2020, Alg. 1, option II) with partial participation:
+    ``(w, b, c, c_i)`` after ``rounds`` rounds. ``x`` takes the mean of the sampled updates,
+    weighted by ``sizes[i]`` when given (``fed.aggregation="examples"``); ``c`` the sum of the
+    control-variate changes over ``N``."""
+    n, k = num_clients, local_steps
+    w, b = np.zeros((4, 3)), np.zeros(3)
+    c = [np.zeros((4, 3)), np.zeros(3)]
+    ci = [[np.zeros((4, 3)), np.zeros(3)] for _ in range(n)]
+    for r in range(rounds):
+        ids = sampled_ids(jax.random.key(0), r, n, clients_per_round)
+        deltas, dcs = [], []
+        for i in ids:
+            yw, yb = w.copy(), b.copy()
+            for _ in range(k):
+                gw, gb = np_grads(data, i, yw, yb)
+                yw = yw - lr * (gw - ci[i][0] + c[0])
+                yb = yb - lr * (gb - ci[i][1] + c[1])
+            new = [ci[i][0] - c[0] + (w - yw) / (k * lr), ci[i][1] - c[1] + (b - yb) / (k * lr)]
+            dcs.append([new[0] - ci[i][0], new[1] - ci[i][1]])
+            deltas.append([yw - w, yb - b])
+            ci[i] = new
+        weights = np.ones(len(ids)) if sizes is None else np.asarray(sizes, float)[ids]
+        weights = weights / weights.sum()
+        w = w + sum(p * d[0] for p, d in zip(weights, deltas, strict=True))
+        b = b + sum(p * d[1] for p, d in zip(weights, deltas, strict=True))
+        c = [c[0] + sum(d[0] for d in dcs) / n, c[1] + sum(d[1] for d in dcs) / n]
+    return w, b, c, ci
+
+
 def global_optimum(data):
     """Minimizer of ``(1/N) sum_i f_i``: ``W* = (sum H_i)^{-1} sum H_i B_i``, ``b* = mean c_i``."""
     h = data["H"].sum(0)

@@ -242,6 +242,18 @@ BAD_CONFIGS = [
         {"fed.algorithm": "fedmuon_zg", "optim.name": "muon"},
         "fedmuon_zg is defined for full participation only",
     ),
+    (
+        {"fed.aggregation": "median"},
+        "fed.aggregation='median' is unknown; valid choices: ['examples', 'uniform'].",
+    ),
+    (
+        {"fed.aggregation": "examples", "fed.algorithm": "feddyn"},
+        "fed.aggregation='examples': feddyn combines the clients' updates with its own rule",
+    ),
+    (
+        {"fed.aggregation": "examples", "dp.clip_norm": 1.0, "dp.noise_multiplier": 1.0},
+        "fed.aggregation='examples' with dp: DP-FedAvg's fixed denominator needs every client",
+    ),
 ]
 
 

@@ -10,6 +10,7 @@ modules, the axes' contract and where to add what.
 
 from fedorth.fed import corrections, quantities, start, update  # noqa: F401  (the axes' specs)
 from fedorth.fed.accounting import communication_bytes  # noqa: F401
+from fedorth.fed.aggregation import AGGREGATIONS  # noqa: F401
 from fedorth.fed.algorithm import FedAlgorithm  # noqa: F401
 from fedorth.fed.algorithms import ALGORITHMS, get_algorithm  # noqa: F401
 from fedorth.fed.autotune import MeasuredRoundFn, describe_selection, measure_strategies  # noqa: F401
@@ -26,6 +27,7 @@ from fedorth.fed.state import ClientState, ServerState  # noqa: F401
 __all__ = [
     "ALGORITHMS",
     "STRATEGIES",
+    "AGGREGATIONS",
     "ClientResult",
     "ClientState",
     "FedAlgorithm",

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedorth.fed import aggregation as aggregation_lib
 from fedorth.fed import privacy
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.config import RoundConfig
@@ -168,13 +169,20 @@ def make_client_fn(
 
 
 def per_client_outputs(
-    algorithm: FedAlgorithm, client_fn: Callable, drift, has_clients: bool, dp=None
+    algorithm: FedAlgorithm,
+    client_fn: Callable,
+    drift,
+    has_clients: bool,
+    dp=None,
+    aggregation: str = "uniform",
 ):
     """``per_client(shared, xs) -> (averaged, stacked)`` for ``execution.run_clients``: what the
     server averages over the clients (summarized as they finish) and what it needs per client.
 
     With client-level differential privacy (``dp``, a ``fedorth.fed.privacy.ClientDP``) the
-    upload is clipped here, client by client, before anything is summarized."""
+    upload is clipped here, client by client, before anything is summarized. With
+    ``aggregation="examples"`` the uploads are weighted here by the clients' example counts
+    (``fedorth.fed.aggregation``)."""
     from fedorth.fed import drift as drift_lib
 
     def per_client(shared, xs):
@@ -191,6 +199,10 @@ def per_client_outputs(
         if algorithm.server.combine is not None:
             stacked["delta"] = out["delta"]
             stacked["report"] = out.get("report", {})
+        if aggregation == "examples":
+            ctx, data = shared[0], shared[1]
+            weight = aggregation_lib.client_weight(ctx, data, xs.client_id)
+            averaged = aggregation_lib.weigh(averaged, weight)
         if dp is not None:
             ctx = shared[0]
             averaged = privacy.clip_upload(dp, ctx, averaged, xs.client_id)

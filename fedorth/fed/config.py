@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from fedorth.fed import aggregation as aggregation_lib
 from fedorth.fed import privacy as privacy_lib
 from fedorth.fed.algorithm import FedAlgorithm
 from fedorth.fed.privacy import ClientDP
@@ -37,6 +38,9 @@ class RoundConfig:
       spectral_drift: also compute the spectral-norm preconditioner drift (power iteration).
       privacy: client-level differential privacy (``fedorth.fed.privacy.ClientDP``: DP-FedAvg's
         clipped, noised aggregate), or None.
+      aggregation: how the server weighs the sampled clients, one of
+        ``fedorth.fed.aggregation.AGGREGATIONS``: ``"uniform"`` (``1/S`` each) or
+        ``"examples"`` (by their example counts, FedAvg's original rule).
     """
 
     num_clients: int
@@ -49,6 +53,7 @@ class RoundConfig:
     unroll: int | bool = 1
     spectral_drift: bool = False
     privacy: ClientDP | None = None
+    aggregation: str = "uniform"
 
     def validate(self, algorithm: FedAlgorithm) -> None:
         n, s, k = self.num_clients, self.clients_per_round, self.local_steps
@@ -81,6 +86,12 @@ class RoundConfig:
                     f"fed.clients_per_round={s} must be a multiple of the {devices} devices "
                     "of the mesh's 'clients' axis for strategy 'sharded'."
                 )
+        aggregation_lib.check(
+            self.aggregation,
+            algorithm,
+            privacy=self.privacy,
+            spectral_drift=self.spectral_drift,
+        )
         if self.privacy is not None:
             if self.privacy.sampling == "poisson" and s != n:
                 raise ValueError(

@@ -56,7 +56,12 @@ def round_body(
         if config.privacy is not None:
             privacy.check_round(algorithm, plan, server)
         per_client = client.per_client_outputs(
-            algorithm, client_fn, plan, server.clients is not None, config.privacy
+            algorithm,
+            client_fn,
+            plan,
+            server.clients is not None,
+            config.privacy,
+            config.aggregation,
         )
         prepass_mean, prepass = {}, {}
         if algorithm.corrections.prepass is not None:

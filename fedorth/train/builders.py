@@ -98,7 +98,8 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, rounds: int):
 def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
     """The round's static settings (``fed.RoundConfig``) from a run's config: ``data.num_clients``,
     ``fed.clients_per_round``, ``fed.local_steps``, the learning-rate schedule over
-    ``fed.rounds``, ``fed.strategy``, ``fed.chunk_size``, ``fed.unroll`` and ``spectral_drift``.
+    ``fed.rounds``, ``fed.strategy``, ``fed.chunk_size``, ``fed.unroll``, ``fed.aggregation`` and
+    ``spectral_drift``.
     The one place a config becomes a ``RoundConfig`` (:func:`build`, :func:`dry_build` and the
     config checks of ``fedorth.train.validate`` all call it)."""
     strategy = config.fed.get("strategy", "auto")
@@ -122,6 +123,7 @@ def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
         unroll=config.fed.get("unroll", 1),
         spectral_drift=bool(config.get("spectral_drift", False)),
         privacy=privacy.client_dp(config),
+        aggregation=config.fed.get("aggregation", "uniform"),
     )
 
 

@@ -276,6 +276,7 @@ def _check_fed(c: _Checker, config) -> None:
     )
     strategy = cfg.get("strategy", "auto")
     c.choice("fed.strategy", strategy, fed.STRATEGIES)
+    c.choice("fed.aggregation", cfg.get("aggregation", "uniform"), fed.AGGREGATIONS)
     chunk = cfg.get("chunk_size")
     if strategy == "chunked":
         c.integer("fed.chunk_size", chunk, 1, why=" for strategy 'chunked'")
