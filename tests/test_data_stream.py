@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import pathlib
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fedorth import data as data_lib
 from fedorth.data import natural
 from fedorth.data import stream as stream_lib
+from fedorth.fed import aggregation
 from fedorth.train import feed as feed_lib
 from tests.test_data_natural import (
     documented,
@@ -76,6 +79,13 @@ def assert_same_batches(whole, base, stream, clients_per_round: int, rounds: int
     for r in range(rounds):
         ids = feed_lib.round_clients(key, r, whole.num_clients, clients_per_round)
         round_data = stream.round_data(base, ids)
+        # fed.aggregation='examples' weighs the sampled clients by their global counts.
+        ctx = types.SimpleNamespace(client_ids=jnp.asarray(ids), clients_per_round=len(ids))
+        for client in ids:
+            np.testing.assert_array_equal(
+                aggregation.client_weight(ctx, round_data, jnp.int32(client)),
+                aggregation.client_weight(ctx, whole, jnp.int32(client)),
+            )
         for client in ids:
             batch_key = jax.random.fold_in(key, int(client))
             for sample in samplers:

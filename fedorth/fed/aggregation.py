@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedorth.data.federated import FederatedData, client_num_examples
 from fedorth.fed import privacy as privacy_lib
 from fedorth.optim import federated as fed_optim
 
@@ -83,12 +84,23 @@ def example_counts(data: PyTree) -> jax.Array:
     return counts
 
 
+def _count(data: PyTree, client: jax.Array) -> jax.Array:
+    """Client ``client``'s example count (a global id): through
+    :func:`fedorth.data.client_num_examples` for a dataset, whose streamed rounds hold the
+    sampled clients' rows only."""
+    if isinstance(data, FederatedData):
+        return client_num_examples(data, client)
+    return example_counts(data)[client]
+
+
 def client_weight(ctx, data: PyTree, client_id: jax.Array) -> jax.Array:
     """``w_i = S n_i / sum_{j in S} n_j`` of sampled client ``client_id`` (a float scalar of the
     default float dtype)."""
-    counts = example_counts(data).astype(jnp.result_type(float))
-    total = jnp.sum(counts[ctx.client_ids])
-    return ctx.clients_per_round * counts[client_id] / total
+    dtype = jnp.result_type(float)
+    example_counts(data)  # one line when the data has no counts
+    sampled = jax.vmap(lambda client: _count(data, client))(ctx.client_ids)
+    total = jnp.sum(sampled.astype(dtype))
+    return ctx.clients_per_round * _count(data, client_id).astype(dtype) / total
 
 
 def weigh(averaged: dict, weight: jax.Array) -> dict:
