@@ -49,6 +49,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     config.fed.strategy = "auto"  # fed.resolve_strategy | vmap | chunked | sequential | sharded
     config.fed.chunk_size = 0  # clients per chunk for 'chunked'
     config.fed.unroll = 1  # local-step scan unroll (True avoids XLA:CPU conv-in-loop slowness)
+    # Where the clients' persistent states live (fedorth.fed.client_store): auto | device | host
+    # | disk; auto takes the device where they fit (the estimate is printed at start).
+    config.fed.client_state = "auto"
+    config.fed.client_state_dir = ""  # the disk store's folder ("": <workdir>/client_state)
     config.fed.options = ml_collections.ConfigDict()  # the algorithm's own options (alpha, beta)
 
     config.optim = ml_collections.ConfigDict()

@@ -37,6 +37,9 @@ class RoundConfig:
       spectral_drift: also compute the spectral-norm preconditioner drift (power iteration).
       privacy: client-level differential privacy (``fedorth.fed.privacy.ClientDP``: DP-FedAvg's
         clipped, noised aggregate), or None.
+      client_rows: ``ServerState.clients`` holds the ``S`` sampled clients' states (in the order
+        of the sorted sampled ids) instead of all ``N``, and the round returns theirs in it: the
+        states of all clients live in a store outside the round (``fedorth.fed.client_store``).
     """
 
     num_clients: int
@@ -49,6 +52,7 @@ class RoundConfig:
     unroll: int | bool = 1
     spectral_drift: bool = False
     privacy: ClientDP | None = None
+    client_rows: bool = False
 
     def validate(self, algorithm: FedAlgorithm) -> None:
         n, s, k = self.num_clients, self.clients_per_round, self.local_steps

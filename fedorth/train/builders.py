@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import inspect
 import json
+import pathlib
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,7 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import client_store as client_store_lib
 from fedorth.fed import privacy as fed_privacy
 from fedorth.models import lora, pretrained
 from fedorth.train import distributed, privacy
@@ -49,6 +52,9 @@ class Experiment:
     round_fn: fed.RoundFn
     init_params: Any
     init_model_state: Any
+    # The clients' states outside the device (fed.client_state host or disk; round_fn is then
+    # the store's fedorth.fed.client_store.StoredRoundFn), or None.
+    client_store: client_store_lib.ArrayStore | None = None
 
 
 def _to_dict(section: ml_collections.ConfigDict | None) -> dict[str, Any]:
@@ -452,18 +458,72 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     )
 
 
-def init_server(experiment: Experiment) -> fed.ServerState:
-    """The server state of round 0; its key drives sampling, batches and dropout."""
+def _init_server(experiment: Experiment, *, stacked: bool) -> fed.ServerState:
     _, run_key = jax.random.split(jax.random.key(int(experiment.config.seed)))
-    server = fed.init_server(
+    return fed.init_server(
         experiment.algorithm,
         experiment.init_params,
         experiment.init_model_state,
         num_clients=experiment.round_config.num_clients,
         key=run_key,
         privacy=experiment.round_config.privacy,
+        stacked=stacked,
     )
+
+
+def init_server(experiment: Experiment) -> fed.ServerState:
+    """The server state of round 0; its key drives sampling, batches and dropout. With a
+    client-state store (:func:`with_client_store`) its ``clients`` is None: the store has them."""
+    server = _init_server(experiment, stacked=experiment.client_store is None)
+    if experiment.client_store is not None:
+        server = server.replace(clients=None)
     return experiment.round_fn.place(server)
+
+
+def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experiment:
+    """``experiment`` with its clients' states where ``fed.client_state`` says
+    (``fedorth.fed.client_store``); ``auto`` prints its choice and estimate in one line.
+
+    Unchanged for ``device`` and for algorithms that keep no per-client state. ``host`` and
+    ``disk`` (folder ``fed.client_state_dir``, default ``<workdir>/client_state``) get a store
+    and a round that reads and writes the sampled clients' rows in it.
+    """
+    config = experiment.config
+    kind = config.fed.get("client_state", "auto")
+    template = jax.eval_shape(lambda: _init_server(experiment, stacked=False).clients)
+    if template is None or kind == "device":
+        return experiment
+    n = experiment.round_config.num_clients
+    directory = pathlib.Path(config.fed.get("client_state_dir") or workdir / "client_state")
+    if kind == "auto":
+        kind, line = client_store_lib.choose(
+            n,
+            client_store_lib.bytes_per_client(template),
+            device_free=client_store_lib.device_free_bytes(),
+            host_free=client_store_lib.host_available_bytes(),
+            disk_free=client_store_lib.disk_free_bytes(directory),
+            directory=directory,
+        )
+        print(line, file=sys.stderr)
+        if kind == "device":
+            return experiment
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"fed.client_state={kind!r} keeps the clients' states in one process; a run of "
+            f"{jax.process_count()} processes keeps them on the devices: "
+            "--config.fed.client_state=device."
+        )
+    store = client_store_lib.make_store(
+        kind, _init_server(experiment, stacked=False).clients, n, directory
+    )
+    round_config = dataclasses.replace(experiment.round_config, client_rows=True)
+    inner = fed.make_round_fn(
+        experiment.algorithm, experiment.model.loss_fn, make_batch_fn(config), round_config
+    )
+    round_fn = client_store_lib.StoredRoundFn(inner, store, n, round_config.clients_per_round)
+    return dataclasses.replace(
+        experiment, round_config=round_config, round_fn=round_fn, client_store=store
+    )
 
 
 def make_eval_fn(experiment: Experiment):
