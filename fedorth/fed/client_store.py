@@ -125,16 +125,17 @@ def choose(
     """
     total = num_clients * per_client
     device = host_free if device_free is None else device_free
-    estimate = (
-        f"{num_clients} clients x {_size(per_client)} = {_size(total)}; free: device "
-        f"{_size(device)}, host {_size(host_free)}, disk {_size(disk_free)} ({directory})"
+    estimate = f"{num_clients} clients x {_size(per_client)} = {_size(total)}"
+    free_text = (
+        f"free: device {_size(device)}, host {_size(host_free)}, disk {_size(disk_free)} "
+        f"({directory})"
     )
     for kind, free in (("device", device), ("host", host_free), ("disk", disk_free)):
         if total <= FRACTION * free:
-            return kind, f"fed.client_state=auto: {kind} ({estimate})."
+            return kind, f"fed.client_state=auto: {kind} ({estimate}; {free_text})."
     raise ClientStoreError(
         f"The clients' states fit nowhere: data.num_clients={num_clients} clients x "
-        f"{_size(per_client)} per client = {_size(total)} ({estimate}). Remedies: "
+        f"{_size(per_client)} per client = {_size(total)} ({free_text}). Remedies: "
         "--config.fed.client_state=disk with --config.fed.client_state_dir on a larger disk, "
         "fewer clients (data.num_clients), or an algorithm that keeps no per-client state."
     )
