@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from fedorth import fed
-from fedorth.fed import client_store, start
+from fedorth.fed import client_store, start, stored_round
 from fedorth.train.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def _stored(name: str, kind: str, directory: pathlib.Path):
         stacked=False,
     )
     store = client_store.make_store(kind, server.clients, N, directory)
-    round_fn = client_store.StoredRoundFn(_rows_round(name), store, N, S)
+    round_fn = stored_round.StoredRoundFn(_rows_round(name), store, N, S)
     return round_fn, server.replace(clients=None)
 
 
@@ -123,8 +123,9 @@ def test_host_and_disk_stores_give_the_devices_bytes(name, tmp_path):
         for _ in range(R):
             server, metrics = round_fn(server, _data())
             got.append(jax.device_get(metrics))
-        round_fn.close()
+        round_fn.wait()
         _assert_same_bytes(reference.clients, _all_rows(round_fn.store), f"{kind} clients")
+        round_fn.close()
         _assert_same_bytes(
             reference.replace(clients=None, key=None),
             server.replace(key=None),

@@ -8,16 +8,16 @@ the ``N`` of them live:
 * ``"device"``: stacked over ``N`` in ``ServerState.clients`` on the device; the round gathers
   the ``S`` sampled rows and scatters them back inside its compiled call.
 * ``"host"``: one NumPy ``[N, ...]`` array per leaf in host memory (:class:`ArrayStore`).
-* ``"disk"``: one memory-mapped ``[N, ...]`` file per leaf in a folder of the run
+* ``"disk"``: one ``[N, ...]`` file per leaf in a folder of the run, read and written by row
   (:class:`DiskStore`); host memory holds the sampled clients' rows only.
 
-With ``host`` and ``disk``, :class:`StoredRoundFn` hands the compiled round the ``S`` sampled
-rows (``RoundConfig.client_rows``) and writes the rows it returns back into the store. The
-round's sampled ids are known before it runs (``fed.context.sample_clients`` of the server's key
-and round), so the next round's rows are read in a background thread while a round runs, and a
-round's rows are written back in another while the next one runs; rows that two consecutive
-rounds share come from the device. The rows pass through unchanged (same dtype, same bytes), so
-every store gives the same states, bit for bit, as ``device``.
+With ``host`` and ``disk``, the round of ``fedorth.fed.stored_round`` hands the compiled round the
+``S`` sampled rows (``RoundConfig.client_rows``) and writes the rows it returns back into the
+store. The round's sampled ids are known before it runs (``fed.context.sample_clients`` of the
+server's key and round), so the next round's rows are read in a background thread while a round
+runs, and a round's rows are written back in another while the next one runs; rows that two
+consecutive rounds share come from the device. The rows pass through unchanged (same dtype, same
+bytes), so every store gives the same states, bit for bit, as ``device``.
 
 Checkpoints: a ``host`` store's arrays are saved in the orbax checkpoint beside the server state.
 A ``disk`` store's files are not copied: before a round's rows overwrite the files, the rows they
@@ -29,7 +29,6 @@ during a round's write or after it. Undo files older than the oldest kept checkp
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -38,11 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-
-from fedorth.fed.context import sample_clients
-from fedorth.fed.state import ServerState
 
 PyTree = Any
 
@@ -239,9 +234,48 @@ class ArrayStore:
     def describe(self) -> str:
         return "host memory"
 
+    def close(self) -> None:
+        """Releases what the store holds open."""
+
+
+class _RowFile:
+    """An ``[N, ...]`` array in a file, indexed by a list of rows like a NumPy array.
+
+    Rows are read and written with ``pread``/``pwrite``, not through a memory map: the pages a
+    map touches count in the process's resident memory until the kernel reclaims them, so a run
+    over many clients would look as large as the whole store; read this way, the process holds
+    the rows it asked for, and the kernel's page cache the rest.
+    """
+
+    def __init__(self, path: pathlib.Path, row_shape, dtype, num_clients: int, create: bool):
+        self.row_shape, self.dtype = tuple(row_shape), np.dtype(dtype)
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        if create:  # a sparse file of zeros: no block is written until a row is
+            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.fd, num_clients * self.row_bytes)
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((len(ids), *self.row_shape), self.dtype)
+        for j, i in enumerate(ids):
+            data = os.pread(self.fd, self.row_bytes, int(i) * self.row_bytes)
+            out[j] = np.frombuffer(data, self.dtype).reshape(self.row_shape)
+        return out
+
+    def __setitem__(self, ids: np.ndarray, rows) -> None:
+        rows = np.broadcast_to(np.asarray(rows, self.dtype), (len(ids), *self.row_shape))
+        for j, i in enumerate(ids):
+            os.pwrite(self.fd, np.ascontiguousarray(rows[j]).tobytes(), int(i) * self.row_bytes)
+
+    def flush(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
 
 class DiskStore(ArrayStore):
-    """The ``N`` clients' states as memory-mapped ``[N, ...]`` files in ``directory``
+    """The ``N`` clients' states as ``[N, ...]`` files in ``directory``, read and written by row
     (``fed.client_state=disk``), consistent with the checkpoints through per-round undo files.
 
     Files: ``leaf_<i>.bin`` (one per leaf of ``ClientState``, C order), ``touched.bin`` (one
@@ -275,13 +309,19 @@ class DiskStore(ArrayStore):
             "leaves": [[list(x.shape), x.dtype.str] for x in self.template],
         }
 
-    def _open(self, mode: str) -> None:
+    def _open(self, create: bool) -> None:
+        self.close()
         n = self.num_clients
         self.arrays = [
-            np.memmap(self.directory / f"leaf_{i}.bin", x.dtype, mode, shape=(n, *x.shape))
+            _RowFile(self.directory / f"leaf_{i}.bin", x.shape, x.dtype, n, create)
             for i, x in enumerate(self.template)
         ]
-        self.touched = np.memmap(self.directory / "touched.bin", np.bool_, mode, shape=(n,))
+        self.touched = _RowFile(self.directory / "touched.bin", (), np.bool_, n, create)
+
+    def close(self) -> None:
+        for array in (*self.arrays, *([self.touched] if self.touched is not None else [])):
+            array.close()
+        self.arrays, self.touched = [], None
 
     def _write_meta(self, last_round: int) -> None:
         meta = {**self._layout(), "last_round": last_round}
@@ -295,7 +335,7 @@ class DiskStore(ArrayStore):
             shutil.rmtree(self.undo, ignore_errors=True)
             for path in self.directory.glob("*.bin"):
                 path.unlink()
-            self._open("w+")  # sparse files of zeros
+            self._open(create=True)
             self.undo.mkdir()
             self._write_meta(0)
             return
@@ -309,7 +349,7 @@ class DiskStore(ArrayStore):
                 f"{self.directory}, which lacks them or holds another layout; resume with the "
                 "fed.client_state_dir the run was started with, or start a new --workdir."
             )
-        self._open("r+")
+        self._open(create=False)
         self.rewind(step, int(meta["last_round"]))
 
     def rewind(self, step: int, last_round: int) -> None:
@@ -383,145 +423,3 @@ def make_store(
     if kind == "host":
         return ArrayStore(template, num_clients)
     return DiskStore(template, num_clients, directory)
-
-
-@jax.jit
-def _non_finite(rows):
-    return [
-        jnp.logical_not(jnp.all(jnp.isfinite(x))) if jnp.issubdtype(x.dtype, jnp.inexact) else False
-        for x in rows
-    ]
-
-
-def _shared_rows(ids: np.ndarray, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """For each of ``ids``: whether the previous round had it, and its position there."""
-    if previous is None:
-        return np.zeros(len(ids), bool), np.zeros(len(ids), np.int32)
-    position = np.searchsorted(previous, ids).clip(0, len(previous) - 1)
-    return previous[position] == ids, position.astype(np.int32)
-
-
-@jax.jit
-def _merge_rows(host_rows, device_rows, shared, position):
-    def one(h, d):
-        mask = shared.reshape(-1, *([1] * (h.ndim - 1)))
-        return jnp.where(mask, d[position], h)
-
-    return [one(h, d) for h, d in zip(host_rows, device_rows, strict=True)]
-
-
-class StoredRoundFn:
-    """A round whose clients' states live in a store (``fed.client_state`` ``host`` or
-    ``disk``): ``round_fn(server, data) -> (server, metrics)`` with ``server.clients`` None.
-
-    Wraps a round built with ``RoundConfig.client_rows`` (it reads and returns the ``S``
-    sampled rows in ``server.clients``). Each call reads the sampled rows (prefetched during the
-    previous round), runs the round, and hands its rows to a background writer; :meth:`wait`
-    returns once every row has reached the store (the checkpoints call it).
-    """
-
-    def __init__(self, inner, store: ArrayStore, num_clients: int, clients_per_round: int):
-        self.inner = inner
-        self.store = store
-        self.num_clients = num_clients
-        self.clients_per_round = clients_per_round
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, "client-state-read")
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, "client-state-write")
-        self._pending: concurrent.futures.Future | None = None
-        self._prefetch: tuple[int, np.ndarray, concurrent.futures.Future] | None = None
-        self._previous: tuple[np.ndarray, list] | None = None
-        n, s = num_clients, clients_per_round
-        self._ids = jax.jit(lambda key, r: sample_clients(key, r, n, s)[1])
-
-    def sampled(self, server: ServerState, round_index: int) -> np.ndarray:
-        """The ids round ``round_index`` samples (as the round itself samples them)."""
-        return np.asarray(self._ids(server.key, jnp.asarray(round_index, jnp.int32)))
-
-    def _rows(self, server: ServerState, round_index: int) -> tuple[np.ndarray, list]:
-        prefetched = self._prefetch
-        self._prefetch = None
-        if prefetched is not None and prefetched[0] == round_index:
-            ids, host_rows = prefetched[1], prefetched[2].result()
-        else:
-            self.wait()
-            ids = self.sampled(server, round_index)
-            host_rows, self._previous = self.store.read(ids), None
-        previous_ids, previous_rows = self._previous or (None, None)
-        shared, position = _shared_rows(ids, previous_ids)
-        if shared.any():
-            # Clients of the previous round: their rows are still being written; the device has
-            # them (the same bytes).
-            rows = _merge_rows(host_rows, previous_rows, shared, position)
-        else:
-            rows = [jnp.asarray(r) for r in host_rows]
-        return ids, rows
-
-    def _write(self, ids: np.ndarray, rows: list, round_index: int) -> None:
-        host = [np.asarray(x) for x in jax.device_get(rows)]
-        flags = jax.device_get(_non_finite(rows))
-        if self.store.non_finite is None and any(flags):
-            leaf = next(i for i, bad in enumerate(flags) if bad)
-            self.store.non_finite = f"client state leaf {leaf} (round {round_index})"
-        self.store.write(ids, host, round_index)
-
-    def _arguments(self, server: ServerState) -> tuple[ServerState, np.ndarray, int]:
-        round_index = int(server.round)
-        ids, rows = self._rows(server, round_index)
-        return server.replace(clients=self.store.treedef.unflatten(rows)), ids, round_index
-
-    def __call__(self, server: ServerState, data: PyTree):
-        server, ids, round_index = self._arguments(server)
-        new, metrics = self.inner(server, data)
-        rows = jax.tree.leaves(new.clients)
-        if self._pending is not None:
-            self._pending.result()  # the round before: written, so its rows can be read
-        self._pending = self._writer.submit(self._write, ids, rows, round_index + 1)
-        self._previous = (ids, rows)
-        following = self.sampled(new, round_index + 1)  # `server` was donated
-        # Rows the store still writes are taken from the device (_rows), so reading the others
-        # need not wait for the writer.
-        self._prefetch = (
-            round_index + 1,
-            following,
-            self._reader.submit(self.store.read, following),
-        )
-        return new.replace(clients=None), metrics
-
-    def wait(self) -> None:
-        """Returns once the rows of every round run have been written to the store."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-
-    def reset(self) -> None:
-        """Forgets the rows in flight (before the store is started again, e.g. on resume)."""
-        self.wait()
-        self._prefetch = None
-        self._previous = None
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._reader.shutdown(wait=True)
-            self._writer.shutdown(wait=True)
-
-    def select(self, server: ServerState, data: PyTree):
-        if server.clients is not None:
-            return self.inner.select(server, data)
-        # A measured strategy times the round on the initial states (the store starts later).
-        rows = [
-            jnp.broadcast_to(jnp.asarray(x), (self.clients_per_round, *x.shape))
-            for x in self.store.template
-        ]
-        return self.inner.select(server.replace(clients=self.store.treedef.unflatten(rows)), data)
-
-    def lower(self, server: ServerState, data: PyTree):
-        rows = [
-            jax.ShapeDtypeStruct((self.clients_per_round, *x.shape), x.dtype)
-            for x in self.store.template
-        ]
-        return self.inner.lower(server.replace(clients=self.store.treedef.unflatten(rows)), data)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)

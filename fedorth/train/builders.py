@@ -28,6 +28,7 @@ from fedorth import fed, models
 from fedorth.data import augment, randaugment
 from fedorth.fed import client_store as client_store_lib
 from fedorth.fed import privacy as fed_privacy
+from fedorth.fed import stored_round
 from fedorth.models import lora, pretrained
 from fedorth.train import distributed, privacy
 
@@ -53,7 +54,7 @@ class Experiment:
     init_params: Any
     init_model_state: Any
     # The clients' states outside the device (fed.client_state host or disk; round_fn is then
-    # the store's fedorth.fed.client_store.StoredRoundFn), or None.
+    # the store's fedorth.fed.stored_round.StoredRoundFn), or None.
     client_store: client_store_lib.ArrayStore | None = None
 
 
@@ -520,7 +521,7 @@ def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experime
     inner = fed.make_round_fn(
         experiment.algorithm, experiment.model.loss_fn, make_batch_fn(config), round_config
     )
-    round_fn = client_store_lib.StoredRoundFn(inner, store, n, round_config.clients_per_round)
+    round_fn = stored_round.StoredRoundFn(inner, store, n, round_config.clients_per_round)
     return dataclasses.replace(
         experiment, round_config=round_config, round_fn=round_fn, client_store=store
     )

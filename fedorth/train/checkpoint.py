@@ -232,7 +232,7 @@ class Checkpointer:
       max_to_keep: how many recent checkpoints to keep (>= 2 so a corrupted newest one has a
         predecessor to fall back to).
       config: the run's resolved config (``config.to_dict()``), saved in each step's metadata.
-      states: the round of a client-state store (``fedorth.fed.client_store.StoredRoundFn``),
+      states: the round of a client-state store (``fedorth.fed.stored_round.StoredRoundFn``),
         whose store each step saves and each restore starts, or None.
     """
 
