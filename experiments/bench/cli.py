@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from experiments.bench import optim, rounds, sweep
+from experiments.bench import client_state, optim, rounds, sweep
 
 # name -> main(argv without the program and subcommand) -> exit status.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "client_state": client_state.main,
     "optim": optim.main,
     "round": rounds.main,
     "sweep": sweep.main,

@@ -140,22 +140,20 @@ class StoredRoundFn:
             self._writer.shutdown(wait=True)
             self.store.close()
 
-    def select(self, server: ServerState, data: PyTree):
-        if server.clients is not None:
-            return self.inner.select(server, data)
-        # A measured strategy times the round on the initial states (the store starts later).
+    def _with_initial_rows(self, server: ServerState) -> ServerState:
+        """``server`` with ``S`` rows of the initial client state (what the round's shapes, its
+        measured strategy and its compiled program need; the store may not be started yet)."""
         rows = [
             jnp.broadcast_to(jnp.asarray(x), (self.clients_per_round, *x.shape))
             for x in self.store.template
         ]
-        return self.inner.select(server.replace(clients=self.store.treedef.unflatten(rows)), data)
+        return server.replace(clients=self.store.treedef.unflatten(rows))
+
+    def select(self, server: ServerState, data: PyTree):
+        return self.inner.select(self._with_initial_rows(server), data)
 
     def lower(self, server: ServerState, data: PyTree):
-        rows = [
-            jax.ShapeDtypeStruct((self.clients_per_round, *x.shape), x.dtype)
-            for x in self.store.template
-        ]
-        return self.inner.lower(server.replace(clients=self.store.treedef.unflatten(rows)), data)
+        return self.inner.lower(self._with_initial_rows(server), data)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
