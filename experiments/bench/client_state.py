@@ -6,15 +6,16 @@ device, in host memory and on disk (``fed.client_state``), at several population
 
 Each (N, store) runs in its own process, so its resident memory is its own: SCAFFOLD (SGD, option
 II control variates, one ``c_i`` per client) on LeNet-5, ``S`` clients per round, ``K`` local
-steps. The data are those of 100 clients, client ``i`` reading client ``i mod 100``'s examples:
-the population's size changes the states, not the data. A row gives the median round time over
-``--rounds`` rounds after one warm-up round (for ``host`` and ``disk``, the reads and writes of
-the sampled rows included: the last write is waited for), the ratio to ``device`` at the same
-``N``, the compiled round's device memory (XLA's memory analysis: arguments + outputs - aliased
-+ temporaries), and the process's resident memory (``VmRSS``) after the rounds and its growth
-during them (``+MB``: from the compiled round to the end; the states of ``device`` on a CPU
-backend and those of ``host`` are allocated before, and count in the first column only). A store whose states do not fit (within half of the free device memory, host
-memory or disk) is reported as such, not run.
+steps. The data are those of 100 clients, client ``i`` reading client ``i mod 100``'s examples: the
+population's size changes the states, not the data. A row gives the median round time over
+``--rounds`` rounds after one warm-up round (for ``host`` and ``disk``, the reads and writes of the
+sampled rows included: the last write is waited for), the ratio to ``device`` at the same ``N``,
+the compiled round's device memory (XLA's memory analysis: arguments + outputs - aliased +
+temporaries), and the process's resident memory (``VmRSS``) after the rounds and its growth during
+them (``+MB``: from the compiled round to the end; the states of ``device`` on a CPU backend and
+those of ``host`` are allocated before, and count in the first column only). A store whose states
+do not fit (within half of the free device memory, host memory or disk) is reported as such, not
+run.
 """
 
 from __future__ import annotations
