@@ -379,3 +379,24 @@ if __name__ == "__main__":
         "| bad input | message |\n| --- | --- |\n" + "\n".join(rows) + "\n"
     )
     rewrite_doc_section(DOC, "## Client-state stores", body)
+
+
+def test_bench_rows_time_each_store_and_keep_device_memory_flat(tmp_path):
+    """``python -m experiments.bench client_state``'s row (one process each; here in-process, a
+    tiny MLP): the states' size from the algorithm, the round's device memory independent of
+    ``N`` for ``host`` and ``disk`` (the round holds the sampled rows), a finite loss."""
+    from experiments.bench import client_state as bench
+
+    args = bench.parse_args(
+        ["--workload=mlp_small", "--clients-per-round=2", "--local-steps=1", "--rounds=1"]
+    )
+    rows = {
+        (n, kind): bench.run_case(args, n, kind, tmp_path / f"{n}_{kind}")
+        for n, kind in ((8, "device"), (8, "disk"), (64, "disk"))
+    }
+    for row in rows.values():
+        assert row["bytes_per_client"] > 0 and np.isfinite(row["train_loss"]) and row["round_s"] > 0
+    assert rows[8, "disk"]["device_peak_bytes"] == rows[64, "disk"]["device_peak_bytes"]
+    # The device round holds all 8 states, the disk store's the 2 sampled ones.
+    held = rows[8, "device"]["device_peak_bytes"] - rows[8, "disk"]["device_peak_bytes"]
+    assert held >= 6 * rows[8, "device"]["bytes_per_client"]

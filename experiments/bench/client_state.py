@@ -148,7 +148,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench client_state")
     parser.add_argument("--clients", default="1000,10000", help="N values")
     parser.add_argument("--stores", default="device,host,disk")
@@ -160,7 +160,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", default=None, help="the disk store's folder (default: a temp)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "N,store"
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     if args.child:
         n, kind = args.child.split(",")
         print(json.dumps(run_case(args, int(n), kind, pathlib.Path(args.dir))))
