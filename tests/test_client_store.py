@@ -400,3 +400,17 @@ def test_bench_rows_time_each_store_and_keep_device_memory_flat(tmp_path):
     # The device round holds all 8 states, the disk store's the 2 sampled ones.
     held = rows[8, "device"]["device_peak_bytes"] - rows[8, "disk"]["device_peak_bytes"]
     assert held >= 6 * rows[8, "device"]["bytes_per_client"]
+
+
+def test_a_sweep_refuses_a_store_off_the_device():
+    """A sweep's rounds vmap its replicas' whole server states: host or disk is refused in one
+    line before anything is built."""
+    from configs import base
+    from fedorth.sweep.grid import SweepError
+    from fedorth.sweep.replicas import ReplicaRound
+
+    config = base.get_base_config()
+    config.fed.client_state = "disk"
+    with pytest.raises(SweepError) as error:
+        ReplicaRound([config], [{}], [], ["a"])
+    assert "\n" not in str(error.value) and "fed.client_state='disk'" in str(error.value)
