@@ -102,22 +102,26 @@ class StoredRoundFn:
         ids, rows = self._rows(server, round_index)
         return server.replace(clients=self.store.treedef.unflatten(rows)), ids, round_index
 
+    def _read_after(self, pending: concurrent.futures.Future | None, ids: np.ndarray) -> list:
+        # The rounds before the one in progress must have reached the store; the one in
+        # progress is being written meanwhile, its rows come from the device (_rows).
+        if pending is not None:
+            pending.result()
+        return self.store.read(ids)
+
     def __call__(self, server: ServerState, data: PyTree):
         server, ids, round_index = self._arguments(server)
-        new, metrics = self.inner(server, data)
+        # The next round's ids, from the run's key (the same every round), read while this
+        # round runs.
+        following = self.sampled(server, round_index + 1)
+        prefetch = self._reader.submit(self._read_after, self._pending, following)
+        new, metrics = self.inner(server, data)  # donates `server`
         rows = jax.tree.leaves(new.clients)
         if self._pending is not None:
-            self._pending.result()  # the round before: written, so its rows can be read
+            self._pending.result()  # the round before: written
         self._pending = self._writer.submit(self._write, ids, rows, round_index + 1)
         self._previous = (ids, rows)
-        following = self.sampled(new, round_index + 1)  # `server` was donated
-        # Rows the store still writes are taken from the device (_rows), so reading the others
-        # need not wait for the writer.
-        self._prefetch = (
-            round_index + 1,
-            following,
-            self._reader.submit(self.store.read, following),
-        )
+        self._prefetch = (round_index + 1, following, prefetch)
         return new.replace(clients=None), metrics
 
     def wait(self) -> None:
@@ -129,6 +133,8 @@ class StoredRoundFn:
     def reset(self) -> None:
         """Forgets the rows in flight (before the store is started again, e.g. on resume)."""
         self.wait()
+        if self._prefetch is not None:
+            concurrent.futures.wait([self._prefetch[2]])  # its rows are dropped
         self._prefetch = None
         self._previous = None
 
