@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from fedorth import fed
-from fedorth.fed import client_store, start, stored_round
+from fedorth.fed import client_store, disk_store, start, stored_round
 from fedorth.train.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def _stored(name: str, kind: str, directory: pathlib.Path):
         key=jax.random.key(0),
         stacked=False,
     )
-    store = client_store.make_store(kind, server.clients, N, directory)
+    store = stored_round.make_store(kind, server.clients, N, directory)
     round_fn = stored_round.StoredRoundFn(_rows_round(name), store, N, S)
     return round_fn, server.replace(clients=None)
 
@@ -232,7 +232,7 @@ def _disk_error(directory: pathlib.Path, num_clients: int = N) -> str:
         stacked=False,
     ).clients
     with pytest.raises(client_store.ClientStoreError) as error:
-        client_store.DiskStore(template, num_clients, directory)
+        disk_store.DiskStore(template, num_clients, directory)
     return str(error.value)
 
 

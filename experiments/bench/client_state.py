@@ -103,7 +103,7 @@ def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict
     )
     round_fn, store = inner, None
     if kind != "device":
-        store = client_store.make_store(kind, server.clients, num_clients, directory)
+        store = stored_round.make_store(kind, server.clients, num_clients, directory)
         store.start()
         round_fn = stored_round.StoredRoundFn(inner, store, num_clients, s)
         server = server.replace(clients=None)

@@ -5,6 +5,7 @@ describes the stores)."""
 from __future__ import annotations
 
 import concurrent.futures
+import pathlib
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 
 from fedorth.fed.client_store import ArrayStore
 from fedorth.fed.context import sample_clients
+from fedorth.fed.disk_store import DiskStore
 from fedorth.fed.state import ServerState
 
 PyTree = Any
@@ -163,3 +165,12 @@ class StoredRoundFn:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def make_store(
+    kind: str, template: PyTree, num_clients: int, directory: str | pathlib.Path
+) -> ArrayStore:
+    """The store of ``fed.client_state=kind`` (``"host"`` or ``"disk"``)."""
+    if kind == "host":
+        return ArrayStore(template, num_clients)
+    return DiskStore(template, num_clients, directory)

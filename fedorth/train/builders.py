@@ -514,7 +514,7 @@ def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experime
             f"{jax.process_count()} processes keeps them on the devices: "
             "--config.fed.client_state=device."
         )
-    store = client_store_lib.make_store(
+    store = stored_round.make_store(
         kind, _init_server(experiment, stacked=False).clients, n, directory
     )
     round_config = dataclasses.replace(experiment.round_config, client_rows=True)
