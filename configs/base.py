@@ -57,6 +57,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     # how the server weighs the sampled clients: uniform (1/S) | examples (n_i / sum n_j,
     # FedAvg's original rule; fedorth.fed.aggregation)
     config.fed.aggregation = "uniform"
+    # Where the clients' persistent states live (fedorth.fed.client_store): auto | device | host
+    # | disk; auto takes the device where they fit (the estimate is printed at start).
+    config.fed.client_state = "auto"
+    config.fed.client_state_dir = ""  # the disk store's folder ("": <workdir>/client_state)
     config.fed.options = ml_collections.ConfigDict()  # the algorithm's own options (alpha, beta)
 
     config.optim = ml_collections.ConfigDict()

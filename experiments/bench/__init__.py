@@ -5,6 +5,7 @@
     python -m experiments.bench sweep [--section cpu|gpu] [--json out.json] # replicas vs runs
     python -m experiments.bench data [--clients N] [--json out.json]    # clients streamed
     python -m experiments.bench startup [--rounds N] [--json out.json]  # the quick start's start
+    python -m experiments.bench client_state [--clients 1000,10000]     # fed.client_state stores
 
 The subcommands are registered by name in `experiments.bench.cli.SUBCOMMANDS`; each is a
 function ``main(argv: list[str]) -> int`` in its own module, beside that module's
@@ -18,8 +19,8 @@ modules, by job (imports go down this list, never up, so the package has no impo
   built from the engine's own pieces), `sections` (``--memory``, ``--micro``, ``--scaling``),
   `presets` (``--preset targets``), `output` (tables, JSON); `cases` (one case: its runners,
   timed rounds and rows);
-* `optim`, `rounds`, `sweep`, `data` and `startup`: the subcommands; `cli`: the registry and
-  ``main``.
+* `optim`, `rounds`, `sweep`, `data`, `startup` and `client_state`: the subcommands; `cli`:
+  the registry and ``main``.
 
 To add a subcommand: write its module with ``parse_args(argv)`` and ``main(argv) -> int``, and
 add ``main`` to `cli.SUBCOMMANDS`.

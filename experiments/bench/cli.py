@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from experiments.bench import data, optim, rounds, startup, sweep
+from experiments.bench import client_state, data, optim, rounds, startup, sweep
 
 # name -> main(argv without the program and subcommand) -> exit status.
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "client_state": client_state.main,
     "data": data.main,
     "optim": optim.main,
     "round": rounds.main,

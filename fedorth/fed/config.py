@@ -41,6 +41,9 @@ class RoundConfig:
       aggregation: how the server weighs the sampled clients, one of
         ``fedorth.fed.aggregation.AGGREGATIONS``: ``"uniform"`` (``1/S`` each) or
         ``"examples"`` (by their example counts, FedAvg's original rule).
+      client_rows: ``ServerState.clients`` holds the ``S`` sampled clients' states (in the order
+        of the sorted sampled ids) instead of all ``N``, and the round returns theirs in it: the
+        states of all clients live in a store outside the round (``fedorth.fed.client_store``).
     """
 
     num_clients: int
@@ -54,6 +57,7 @@ class RoundConfig:
     spectral_drift: bool = False
     privacy: ClientDP | None = None
     aggregation: str = "uniform"
+    client_rows: bool = False
 
     def validate(self, algorithm: FedAlgorithm) -> None:
         n, s, k = self.num_clients, self.clients_per_round, self.local_steps

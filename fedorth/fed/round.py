@@ -51,7 +51,9 @@ def round_body(
     def round_fn(server: ServerState, data: PyTree):
         ctx = begin_round(server, config)
         ids = ctx.client_ids
-        persistent = gather_clients(server.clients, ids) if server.clients is not None else None
+        persistent = server.clients
+        if persistent is not None and not config.client_rows:
+            persistent = gather_clients(server.clients, ids)
         plan = drift.plan(algorithm, config, server)
         if config.privacy is not None:
             privacy.check_round(algorithm, plan, server)
@@ -92,7 +94,9 @@ def round_body(
         metrics.update(reduce.drift(stats, "delta", s))
         new, drift_metrics = drift.server_opt_state(algorithm, plan, new, stats, stacked, s)
         metrics.update(drift_metrics)
-        new = server_quantities(algorithm, ctx, new, stats["mean"], mean_delta, stacked)
+        new = server_quantities(
+            algorithm, ctx, new, stats["mean"], mean_delta, stacked, rows=config.client_rows
+        )
         if config.privacy is not None:
             new = new.replace(privacy=privacy_state)
             metrics.update(dp_metrics)

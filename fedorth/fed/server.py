@@ -40,9 +40,13 @@ def init_server(
     num_clients: int,
     key: jax.Array,
     privacy: ClientDP | None = None,
+    stacked: bool = True,
 ) -> ServerState:
     """The server state before round 0 (``g_G = 0``, control variates ``0``, ``M_i = 0``; with
-    client-level differential privacy, ``privacy``, its initial clip norm)."""
+    client-level differential privacy, ``privacy``, its initial clip norm).
+
+    ``stacked=False``: ``clients`` is one client's initial state, not ``N`` of them (the
+    template of a client-state store, ``fedorth.fed.client_store``)."""
     _check_model_state(model_state, algorithm)
     # The round donates the server state: copy so the caller's arrays stay valid.
     params = jax.tree.map(jnp.copy, params)
@@ -52,7 +56,7 @@ def init_server(
     clients = None
     if client_opt is not None or corrections["control"] is not None:
         client = ClientState(opt_state=client_opt, control=corrections["control"])
-        clients = stack_clients(client, num_clients)
+        clients = stack_clients(client, num_clients) if stacked else client
     quantities = algorithm.quantities
     return ServerState(
         round=jnp.zeros([], jnp.int32),
@@ -84,16 +88,21 @@ def server_step(algorithm: FedAlgorithm, ctx: RoundContext, stats, stacked):
 
 
 def server_quantities(
-    algorithm: FedAlgorithm, ctx: RoundContext, new, mean, mean_delta, stacked
+    algorithm: FedAlgorithm, ctx: RoundContext, new, mean, mean_delta, stacked, *, rows=False
 ) -> ServerState:
     """The new server quantities: ``extra`` (from ``new``: the parameters after the server step),
-    the corrections' (``g_G``, ``c``), and the kept client states of the sampled clients."""
+    the corrections' (``g_G``, ``c``), and the kept client states of the sampled clients
+    (``rows``: ``server.clients`` holds the sampled clients' rows only, ``RoundConfig.client_rows``,
+    which the new ones replace)."""
     server = ctx.server
     if algorithm.quantities is not None:
         reports = mean.get("report", {})
         new = new.replace(extra=algorithm.quantities.update(ctx, new, reports))
     new = algorithm.corrections.server_update(ctx, new, mean, mean_delta)
-    if server.clients is not None:
+    if server.clients is not None and rows:
+        cast = jax.tree.map(lambda x, r: r.astype(x.dtype), server.clients, stacked["persistent"])
+        new = new.replace(clients=cast)
+    elif server.clients is not None:
         new = new.replace(
             clients=scatter_clients(server.clients, ctx.client_ids, stacked["persistent"])
         )

@@ -153,6 +153,15 @@ class ReplicaRound:
         if chunk_size < 0:
             raise SweepError(f"--replica_chunk_size={chunk_size} must be >= 0 (0: all at once).")
         strategy_lib.check_replica_strategy(strategy)
+        stores = {c.fed.get("client_state", "auto") for c in configs} - {"auto", "device"}
+        if stores:
+            # The replicas' rounds are one vmapped call over their whole server states.
+            raise SweepError(
+                f"fed.client_state={sorted(stores)[0]!r}: a sweep keeps its replicas' client "
+                "states on the device (its rounds vmap whole server states); use "
+                "--config.fed.client_state=device (or auto), or run the grid's points as single "
+                "runs."
+            )
         self.traced_keys = list(traced_keys)
         self.replicas: list[Replica] = []
         for name, values, config in zip(names, replicas, configs, strict=True):

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import inspect
 import json
+import pathlib
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +26,10 @@ from absl import logging
 from fedorth import data as data_lib
 from fedorth import fed, models
 from fedorth.data import augment, randaugment
+from fedorth.fed import client_store as client_store_lib
 from fedorth.fed import memory as fed_memory
 from fedorth.fed import privacy as fed_privacy
+from fedorth.fed import stored_round
 from fedorth.models import lora, pretrained
 from fedorth.train import distributed, eager_jit, feed, privacy
 
@@ -54,6 +58,9 @@ class Experiment:
     # then holds the test split and the clients' counts, and round r reads
     # fedorth.train.feed.RoundFeed(...)(r).
     stream: data_lib.stream_lib.ClientStream | None = None
+    # The clients' states outside the device (fed.client_state host or disk; round_fn is then
+    # the store's fedorth.fed.stored_round.StoredRoundFn), or None.
+    client_store: client_store_lib.ArrayStore | None = None
 
 
 def _to_dict(section: ml_collections.ConfigDict | None) -> dict[str, Any]:
@@ -545,8 +552,24 @@ def round_feed(experiment: Experiment):
     )
 
 
+def _init_server(experiment: Experiment, *, stacked: bool) -> fed.ServerState:
+    """The server state of round 0 computed eagerly; ``stacked=False``: one client's state in
+    ``clients`` (the template of a client-state store)."""
+    return fed.init_server(
+        experiment.algorithm,
+        experiment.init_params,
+        experiment.init_model_state,
+        num_clients=experiment.round_config.num_clients,
+        key=run_key(experiment.config),
+        privacy=experiment.round_config.privacy,
+        stacked=stacked,
+    )
+
+
 def init_server(experiment: Experiment) -> fed.ServerState:
-    """The server state of round 0; its key drives sampling, batches and dropout."""
+    """The server state of round 0; its key drives sampling, batches and dropout. With a
+    client-state store (:func:`with_client_store`) its ``clients`` is None: the store has them."""
+    stacked = experiment.client_store is None
 
     def init_server_state(params, model_state):
         return fed.init_server(
@@ -556,6 +579,7 @@ def init_server(experiment: Experiment) -> fed.ServerState:
             num_clients=experiment.round_config.num_clients,
             key=run_key(experiment.config),
             privacy=experiment.round_config.privacy,
+            stacked=stacked,
         )
 
     arguments = (experiment.init_params, experiment.init_model_state)
@@ -568,6 +592,8 @@ def init_server(experiment: Experiment) -> fed.ServerState:
         if not fed_memory.is_out_of_memory(error):
             raise
         raise _state_out_of_memory(shapes, num_clients, fed_memory.available_host_bytes()) from None
+    if experiment.client_store is not None:
+        server = server.replace(clients=None)
     return experiment.round_fn.place(server)
 
 
@@ -598,6 +624,52 @@ def _check_state_fits(shapes, num_clients: int) -> None:
     available = fed_memory.available_host_bytes()
     if available is not None and _state_bytes(shapes)[0] > available:
         raise _state_out_of_memory(shapes, num_clients, available)
+
+
+def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experiment:
+    """``experiment`` with its clients' states where ``fed.client_state`` says
+    (``fedorth.fed.client_store``); ``auto`` prints its choice and estimate in one line.
+
+    Unchanged for ``device`` and for algorithms that keep no per-client state. ``host`` and
+    ``disk`` (folder ``fed.client_state_dir``, default ``<workdir>/client_state``) get a store
+    and a round that reads and writes the sampled clients' rows in it.
+    """
+    config = experiment.config
+    kind = config.fed.get("client_state", "auto")
+    template = jax.eval_shape(lambda: _init_server(experiment, stacked=False).clients)
+    if template is None or kind == "device":
+        return experiment
+    n = experiment.round_config.num_clients
+    directory = pathlib.Path(config.fed.get("client_state_dir") or workdir / "client_state")
+    if kind == "auto":
+        kind, line = client_store_lib.choose(
+            n,
+            client_store_lib.bytes_per_client(template),
+            device_free=client_store_lib.device_free_bytes(),
+            host_free=client_store_lib.host_available_bytes(),
+            disk_free=client_store_lib.disk_free_bytes(directory),
+            directory=directory,
+        )
+        print(line, file=sys.stderr)
+        if kind == "device":
+            return experiment
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"fed.client_state={kind!r} keeps the clients' states in one process; a run of "
+            f"{jax.process_count()} processes keeps them on the devices: "
+            "--config.fed.client_state=device."
+        )
+    store = stored_round.make_store(
+        kind, _init_server(experiment, stacked=False).clients, n, directory
+    )
+    round_config = dataclasses.replace(experiment.round_config, client_rows=True)
+    inner = fed.make_round_fn(
+        experiment.algorithm, experiment.model.loss_fn, make_batch_fn(config), round_config
+    )
+    round_fn = stored_round.StoredRoundFn(inner, store, n, round_config.clients_per_round)
+    return dataclasses.replace(
+        experiment, round_config=round_config, round_fn=round_fn, client_store=store
+    )
 
 
 def make_eval_fn(experiment: Experiment):

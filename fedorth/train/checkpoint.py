@@ -19,6 +19,10 @@ Crash safety rests on three properties:
 * **Complete steps only.** A step folder without orbax's commit marker (``commit_success.txt``)
   and metadata, e.g. an emptied or half-copied folder, is skipped with the same one-line warning
   and set aside like an unreadable one.
+* **The clients' states travel with the server's.** With a client-state store
+  (``fed.client_state`` host or disk, ``fedorth.fed.client_store``) every row a round wrote is in
+  the store before the step is saved; a host store's arrays are saved in the step, and a disk
+  store's files are put back to the restored step's round (its undo files).
 * **The config travels with the state.** Each step's metadata holds the resolved config of the
   run that saved it, so a run of another config cannot resume it, even without ``config.json``
   (``saved_config``).
@@ -93,9 +97,13 @@ class CheckpointError(RuntimeError):
     """No checkpoint in the workdir could be restored."""
 
 
-def _to_saveable(server: ServerState) -> dict[str, Any]:
+def _to_saveable(server: ServerState, states=None) -> dict[str, Any]:
     # Typed PRNG keys are not serializable: store the raw key data.
-    return {"server": server.replace(key=jax.random.key_data(server.key))}
+    tree = {"server": server.replace(key=jax.random.key_data(server.key))}
+    stored = None if states is None else states.store.checkpoint_tree()
+    if stored is not None:
+        tree["client_states"] = stored
+    return tree
 
 
 def _from_saveable(tree: dict[str, Any], like: ServerState) -> ServerState:
@@ -224,6 +232,8 @@ class Checkpointer:
       max_to_keep: how many recent checkpoints to keep (>= 2 so a corrupted newest one has a
         predecessor to fall back to).
       config: the run's resolved config (``config.to_dict()``), saved in each step's metadata.
+      states: the round of a client-state store (``fedorth.fed.stored_round.StoredRoundFn``),
+        whose store each step saves and each restore starts, or None.
     """
 
     def __init__(
@@ -233,7 +243,9 @@ class Checkpointer:
         every: int,
         max_to_keep: int = 3,
         config: dict | None = None,
+        states=None,
     ):
+        self.states = states
         if every < 0:
             raise ValueError(f"checkpoint_every={every} must be >= 0.")
         self.every = every
@@ -259,7 +271,10 @@ class Checkpointer:
             return False
         if step in self.manager.all_steps():
             return False
-        tree = _to_saveable(server)
+        if self.states is not None:
+            self.states.wait()  # every round's rows are in the store
+            self.states.store.sync()
+        tree = _to_saveable(server, self.states)
         metadata = {} if self.config is None else {_CONFIG_KEY: self.config}
         if jax.process_count() == 1:
             tree = jax.device_get(tree)  # host copy: the next round may donate the buffers
@@ -267,6 +282,8 @@ class Checkpointer:
         with _quiet_orbax():  # a failure is raised here (a full disk: fedorth.train.loop says so)
             self.manager.save(step, args=ocp.args.StandardSave(tree), custom_metadata=metadata)
             self.manager.wait_until_finished()
+        if self.states is not None:
+            self.states.store.saved(self.manager.all_steps())
         return True
 
     def _verify(self, step: int, tree: Any) -> None:
@@ -308,6 +325,9 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(like))
         if on_host:
             abstract = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract)
+        stored = None if self.states is None else self.states.store.abstract_tree()
+        if stored is not None:
+            abstract["client_states"] = stored
         failed: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             if not _is_complete(self.directory / str(step)):
@@ -329,6 +349,7 @@ class Checkpointer:
                     + f" Resuming from checkpoint {step}; the skipped ones were moved to "
                     f"{self.workdir / 'checkpoints_unreadable'}."
                 )
+            self._start_states(tree.get("client_states"), step)
             return _from_saveable(tree, like)
         if failed:
             raise CheckpointError(
@@ -338,7 +359,14 @@ class Checkpointer:
                 "with the version that saved them (run_info.json names its git commit), or start "
                 "a new --workdir."
             )
+        self._start_states(None, None)
         return None
+
+    def _start_states(self, stored: dict | None, step: int | None) -> None:
+        """Starts the client-state store at the restored step (None: round 0)."""
+        if self.states is not None:
+            self.states.reset()
+            self.states.store.start(stored, step)
 
     def close(self) -> None:
         """Waits for a save in flight and closes orbax's manager. While a Ctrl-C or SIGTERM

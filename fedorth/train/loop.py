@@ -57,6 +57,7 @@ import numpy as np
 import fedorth
 from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
+from fedorth.fed import client_store
 from fedorth.train import builders, plots, privacy
 from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import feed as feed_lib
@@ -109,6 +110,7 @@ USER_ERRORS = (
     DivergenceError,
     CheckpointError,
     fed.RoundOutOfMemoryError,
+    client_store.ClientStoreError,
     trackers_lib.TrackerError,
     RoundPlacementError,
     feed_lib.StreamReadError,
@@ -407,6 +409,9 @@ def _check_finite(
         if leaf is None and full_state:
             state = server.replace(key=jax.random.key_data(server.key))
             leaf = _first_non_finite(state, "server", on_host=True)
+        if leaf is None and full_state and checkpointer.states is not None:
+            checkpointer.states.wait()  # the store checks the rows it writes
+            leaf = checkpointer.states.store.non_finite
         quantity = None if leaf is None else f"{leaf} contains NaN/Inf"
     if quantity is None:
         return
@@ -548,7 +553,7 @@ def _run_locked(config, workdir: pathlib.Path, overwrite: bool) -> dict[str, Any
         trackers=trackers_lib.make(config, files) if jax.process_index() == 0 else None,
         config=config.to_dict(),
     )
-    experiment = builders.build(config)
+    experiment = builders.with_client_store(builders.build(config), files)
     server = builders.init_server(experiment)
     feed = builders.round_feed(experiment)
     try:
@@ -570,8 +575,12 @@ def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[
         _write_run_info(files, experiment.round_fn)
     rounds = int(config.fed.rounds)
     eval_every = int(config.get("eval_every", 1))  # 0: only after the last round
+    states = experiment.round_fn if experiment.client_store is not None else None
     checkpointer = Checkpointer(
-        workdir, every=int(config.get("checkpoint_every", 0)), config=config.to_dict()
+        workdir,
+        every=int(config.get("checkpoint_every", 0)),
+        config=config.to_dict(),
+        states=states,
     )
     # From here to the end, a signal asks for a stop after the round in progress: one that
     # comes after the last round lets the run finish writing, and it ends as finished. Several
@@ -592,6 +601,8 @@ def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[
         finally:
             writer.close()  # TensorBoard's last events reach the file
             checkpointer.close()
+            if states is not None:
+                states.close()
     _summary(files, row, checkpointer, workdir / "checkpoints")
     return row
 
@@ -843,6 +854,8 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, schedule, o
     row: dict[str, Any] = writer.rows()[-1] if writer.rows() else {}
     state = server.replace(key=jax.random.key_data(server.key))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a checkpoint writes
+    if experiment.client_store is not None and experiment.client_store.kind == "host":
+        state_bytes += experiment.client_store.nbytes()
     try:
         while done < rounds:
             server, metrics = experiment.round_fn(server, feed(done))

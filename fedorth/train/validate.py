@@ -45,7 +45,7 @@ from absl import flags
 
 from fedorth import data as data_lib
 from fedorth import fed, models
-from fedorth.fed import local
+from fedorth.fed import client_store, local
 from fedorth.models.layers import MODEL_DTYPES
 from fedorth.optim import linalg
 from fedorth.optim.newton_schulz import NS_DTYPES
@@ -280,6 +280,7 @@ def _check_fed(c: _Checker, config) -> None:
     chunk = cfg.get("chunk_size")
     if strategy == "chunked":
         c.integer("fed.chunk_size", chunk, 1, why=" for strategy 'chunked'")
+    c.choice("fed.client_state", cfg.get("client_state", "auto"), client_store.STORES)
     unroll = cfg.get("unroll", 1)
     if not isinstance(unroll, bool):
         c.integer("fed.unroll", unroll, 1, why=" (or True: fully unrolled)")
