@@ -603,6 +603,31 @@ def test_workdir_of_a_different_config_is_refused_unless_overwrite(tmp_path):
     assert_documented(CONFLICT, message, tmp_path)
 
 
+def test_a_config_recorded_before_keys_were_added_is_the_same_config():
+    """A run recorded before configs/base.py gained a key of ``loop.ADDED_KEYS`` (its config
+    lacks the key, or a whole section such as ``dp``) is the same run as one with the key at its
+    default, which computes what the run computed: it resumes. Any other value is a difference."""
+    config = json.loads(json.dumps(tiny_config().to_dict()))  # as config.json holds it
+    recorded = json.loads(json.dumps(config))  # what config.json held before the keys existed
+    for key in loop.ADDED_KEYS:
+        section, _, name = key.rpartition(".")
+        (recorded[section] if section else recorded).pop(name)
+    del recorded["dp"]
+    assert loop._config_differences(recorded, config) == []
+    changed = json.loads(json.dumps(config))
+    changed["fed"]["aggregation"], changed["dp"]["clip_norm"] = "examples", 0.5
+    assert loop._config_differences(recorded, changed) == [
+        "dp.clip_norm: None there, 0.5 here",
+        "fed.aggregation: 'uniform' there, 'examples' here",
+    ]
+    # The defaults are configs/base.py's.
+    for key, value in loop.ADDED_KEYS.items():
+        section, _, name = key.rpartition(".")
+        assert (base.get_base_config()[section] if section else base.get_base_config())[
+            name
+        ] == value, key
+
+
 def test_a_workdir_without_results_is_not_a_conflict(tmp_path):
     missing = tiny_config(**{"data.name": "cifar10", "data.data_dir": str(tmp_path / "tfds")})
     with pytest.raises(data_lib.DatasetNotPreparedError):

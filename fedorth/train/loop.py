@@ -188,19 +188,52 @@ def _git_dirty() -> bool | None:
 _write_atomic = workdir_lib.write_atomic  # never through a symbolic link
 
 
+# Keys configs/base.py gained after runs were recorded, with their defaults. Each default runs
+# what a run ran before its key existed (uniform weights, no privacy, the states on the device
+# or wherever they fit, bit for bit), so a recorded config without the key is compared as if it
+# held the default: such a run resumes, and a value other than the default is a difference.
+ADDED_KEYS: dict[str, Any] = {
+    "data.prefetch": True,
+    "data.stream": "auto",
+    "dp.accountant": "rdp",
+    "dp.adaptive_quantile": None,
+    "dp.clip_learning_rate": 0.2,
+    "dp.clip_norm": None,
+    "dp.count_noise_multiplier": None,
+    "dp.delta": 1e-05,
+    "dp.noise_multiplier": 1.0,
+    "dp.sampling": "fixed",
+    "dp.sampling_rate": None,
+    "dp.target_epsilon": None,
+    "eval_per_client": False,
+    "fed.aggregation": "uniform",
+    "fed.client_state": "auto",
+    "fed.client_state_dir": "",
+}
+_ABSENT = "<absent>"
+
+
 def _config_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """What differs between two configs, one line per key; where the outputs are tracked
-    (``trackers_lib.OUTPUT_KEYS``) is not part of a run, so a run can resume with others."""
+    (``trackers_lib.OUTPUT_KEYS``) is not part of a run, so a run can resume with others, and a
+    key of :data:`ADDED_KEYS` missing from ``old`` counts as its default."""
     out = []
     for key in sorted(set(old) | set(new)):
         if not prefix and key in trackers_lib.OUTPUT_KEYS:
             continue
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if a == _ABSENT and isinstance(b, dict) and f"{prefix}{key}." in _ADDED_SECTIONS:
+            a = {}  # a section added since: each of its keys is compared with its default
+        if a == _ABSENT and f"{prefix}{key}" in ADDED_KEYS:
+            a = ADDED_KEYS[f"{prefix}{key}"]
         if isinstance(a, dict) and isinstance(b, dict):
             out += _config_differences(a, b, f"{prefix}{key}.")
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} there, {b!r} here")
     return out
+
+
+_ADDED_SECTIONS = {key.rpartition(".")[0] + "." for key in ADDED_KEYS if "." in key}
 
 
 def _has_results(workdir: pathlib.Path) -> bool:
