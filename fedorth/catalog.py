@@ -364,6 +364,7 @@ PRESET_GROUPS = (
     (r"fedmuon_zg_", "FedMuon (Zhang & Gao) Sec. 7"),
     (r"(sentiment140|sst2|yelp)_(homo|hetero)_p\d+$", "Fed minimax (Zhang & Gao) Sec. 5"),
     (r"muon_reference$", "Muon (Jordan et al.)'s own step, on the embedded data"),
+    (r"reddi_", "Reddi et al. 2021, natural clients"),
 )
 OTHER_PRESETS = "other settings"  # tests/test_cli.py asks for a group for every preset
 

@@ -63,13 +63,14 @@ def _error(message: str, code: int = 2) -> int:
 _HELP = ("-h", "--help", "--helpshort", "-?")
 
 
-def _flags_help(usage: str, module: types.ModuleType) -> int:
-    """``fedorth COMMAND --help``: the command's usage and the flags its module defines (absl's
+def _flags_help(usage: str, *modules: types.ModuleType) -> int:
+    """``fedorth COMMAND --help``: the command's usage and the flags its modules define (absl's
     own ``--help`` lists the flags of the program's main module, which here is this one)."""
     from absl import flags
 
     try:
-        print(f"usage: {usage}\n{flags.FLAGS.module_help(module)}")
+        helps = [flags.FLAGS.module_help(module) for module in modules]
+        print(f"usage: {usage}\n" + "\n\n".join(h for h in helps if h))
         print("\nThe flags of absl (verbosity, logging) are listed by --helpfull.", flush=True)
     except BrokenPipeError:  # `... --help | head`: the rest goes nowhere, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -86,10 +87,11 @@ SWEEP_USAGE = (
 def _run(argv: Sequence[str]) -> int:
     from absl import app
 
+    from experiments import launch
     from experiments import main as run_main
 
     if any(a in _HELP for a in argv):
-        return _flags_help(RUN_USAGE, run_main)
+        return _flags_help(RUN_USAGE, run_main, launch)
     sys.argv = ["fedorth run", *argv]
     app.run(run_main.main, flags_parser=run_main.flags_parser)  # exits
     return 0
@@ -131,10 +133,10 @@ def _prepare(argv: Sequence[str]) -> int:
 def _sweep(argv: Sequence[str]) -> int:
     from absl import app
 
-    from experiments import sweep
+    from experiments import launch, sweep
 
     if any(a in _HELP for a in argv):
-        return _flags_help(SWEEP_USAGE, sweep)
+        return _flags_help(SWEEP_USAGE, sweep, launch)
     sys.argv = ["fedorth sweep", *argv]
     app.run(sweep.main, flags_parser=sweep.flags_parser)  # exits
     return 0

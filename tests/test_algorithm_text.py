@@ -52,6 +52,9 @@ NOT_FIELDS = {
 }
 # The option values the builders accept (checked against the code below).
 OPTION_VALUES = {"client_state": ("reset", "persistent"), "server_rule": ("mean", "partial")}
+# ``fed.client_state`` (not under ``fed.options``) is where the clients' states live
+# (fedorth.fed.client_store), another key of the same last name.
+STORE_VALUES = ("auto", "device", "host", "disk")
 
 _NOT_FIELD = re.compile(r"(?<!\w)(" + "|".join(NOT_FIELDS) + r")(?!\w)")
 _OPTION = re.compile(
@@ -94,6 +97,8 @@ def findings(name: str, lines: list[tuple[int, str]], parameters: set[str] | Non
             out.append(f"{name}:{number}: {what} -> {NOT_FIELDS[what]}")
         for found in _OPTION.finditer(line):
             prefix, option, value = found.groups()
+            if option == "client_state" and "options." not in prefix and value in STORE_VALUES:
+                continue  # fed.client_state, the store
             if value not in OPTION_VALUES[option]:
                 out.append(
                     f"{name}:{number}: {option}={value!r} is no value of fed.options.{option} "

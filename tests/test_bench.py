@@ -1132,7 +1132,7 @@ def test_each_row_has_its_own_peak_memory():
     for s in (8, 2):
         case = workloads.Case("mlp_small", "fedavg", s, 2, 8)
         data, fed_data = workloads.case_data(case)
-        runner = cases.make_runner(("fedorth", "sequential", None, 1), case, data, fed_data)
+        runner = cases.make_runner(("fedorth", "sequential", None, 1, None), case, data, fed_data)
         memory = runner.warmup()["memory"]
         assert memory["source"] == "memory_analysis"
         parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]

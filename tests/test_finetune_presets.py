@@ -6,7 +6,6 @@ reference checkpoints of tests/fixtures/pretrained (the preset with its model sh
 fixture's shapes, TFDS mock data). tests/test_configs.py dry-builds every preset besides.
 """
 
-import functools
 import importlib.util
 import math
 import pathlib
@@ -15,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from helpers import fast_jit
 from safetensors.numpy import load_file
 
 from fedorth import fed, models
@@ -216,19 +214,6 @@ def _tiny(config, fixture: str):
     return config
 
 
-@pytest.fixture
-def compiled_init(monkeypatch):
-    """``Model.init`` as one compiled program instead of op by op (Swin's: about 170 small
-    programs). The rounds below assert the checkpoint's tensors, the head's shape and that every
-    leaf moves, none of which depends on the bits of the random initialization."""
-    eager = models.Model.init
-
-    def init(self, key, x):
-        return fast_jit(functools.partial(eager, self))(key, x)
-
-    monkeypatch.setattr(models.Model, "init", init)
-
-
 def _one_round(config):
     with tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_CODE):
         experiment = builders.build(config)
@@ -264,7 +249,6 @@ def _leaf(tree, dotted: str):
         ),
     ],
 )
-@pytest.mark.usefixtures("compiled_init")
 def test_one_round_of_a_vision_preset_on_the_fixture(method, preset, fixture, query, weight):
     """The preset's run starts from the checkpoint's tensors (bit for bit), with a fresh
     100-class head, and one round moves every leaf by a finite amount.
@@ -285,7 +269,6 @@ def test_one_round_of_a_vision_preset_on_the_fixture(method, preset, fixture, qu
 
 
 @pytest.mark.slow  # 10-25 s on the shared 2-core machine: XLA's compile of the round
-@pytest.mark.usefixtures("compiled_init")
 def test_one_round_of_a_lora_preset_on_the_fixture(tmp_path):
     """FedMuon on RoBERTa + LoRA: a missing or oversized tokenizer is a one-line error, the
     frozen base is the checkpoint's, only adapters and head are uploaded, and the adapters' B

@@ -164,12 +164,19 @@ sys.argv[0] = "experiments.main"
 runpy.run_module("experiments.main", run_name="__main__", alter_sys=True)
 """
 
-# FedMuon-LMO keeps M_i and C_i for every client: 2 x 68 MB per client with a 4096-wide MLP.
-WIDE = ["--config=configs/fedmuon_bc.py", "--config.model.hidden_sizes=(4096,4096)"]
+# FedMuon-LMO keeps M_i and C_i for every client: 2 x 68 MB per client with a 4096-wide MLP,
+# on the device (fed.client_state=auto would put 100 such clients on disk, under the limit).
+WIDE = [
+    "--config=configs/fedmuon_bc.py",
+    "--config.model.hidden_sizes=(4096,4096)",
+    "--config.fed.client_state=device",
+]
 
 
 def _limited_cli(tmp_path, budget_gib: float, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # RLIMIT_AS counts address space: glibc's per-thread malloc arenas (64 MiB each, as many as
+    # threads happen to contend) would make the room left under the limit vary run to run.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2"}
     return subprocess.run(
         [sys.executable, "-c", LIMITED_CLI, str(budget_gib), *WIDE, *args,
          f"--workdir={tmp_path / 'run'}", "--config.fed.rounds=1"],

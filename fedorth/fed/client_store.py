@@ -38,6 +38,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedorth.fed import memory as fed_memory
+
 PyTree = Any
 
 STORES = ("auto", "device", "host", "disk")
@@ -81,13 +83,12 @@ def device_free_bytes(device=None) -> int | None:
 
 
 def host_available_bytes() -> int:
-    """The host memory available to new allocations (``MemAvailable``), or the physical memory."""
-    try:
-        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """What the host can still allocate (``fedorth.fed.memory.available_host_bytes``: the
+    smaller of ``MemAvailable`` and the room under the process's ``RLIMIT_AS``), or the physical
+    memory when neither is known."""
+    available = fed_memory.available_host_bytes()
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

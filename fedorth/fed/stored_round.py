@@ -170,7 +170,7 @@ class StoredRoundFn:
 def make_store(
     kind: str, template: PyTree, num_clients: int, directory: str | pathlib.Path
 ) -> ArrayStore:
-    """The store of ``fed.client_state=kind`` (``"host"`` or ``"disk"``)."""
+    """The store ``fed.client_state`` names: ``"host"`` or ``"disk"`` (``kind``)."""
     if kind == "host":
         return ArrayStore(template, num_clients)
     return DiskStore(template, num_clients, directory)
