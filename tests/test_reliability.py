@@ -941,7 +941,9 @@ def test_a_closed_output_does_not_stop_the_run(stopped_runs):
 def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path, cli_env, tiny_reference):
     workdir = tmp_path / "w"
     command = tiny_cli(workdir, "--config.fed.rounds=200", "--config.checkpoint_every=50")
-    proc = subprocess.Popen(command, cwd=REPO, env=cli_env, stderr=subprocess.PIPE, text=True)
+    # faulthandler: a run that does not stop is ended with SIGABRT, which prints its threads.
+    env = {**cli_env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     seen = False
     try:
         wait_for(lambda: len(rounds_in(workdir)) > 2, proc, "round 2")
@@ -951,7 +953,12 @@ def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path, cli_env, tiny_r
             if seen:
                 break
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)  # a run that does not stop fails, not hangs
+        try:
+            _, stderr = proc.communicate(timeout=120)  # a run that does not stop fails, not hangs
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            stacks = proc.communicate(timeout=60)[1]
+            pytest.fail(f"the run did not stop after the second Ctrl-C; its threads:\n{stacks}")
     finally:
         if proc.poll() is None:
             proc.kill()

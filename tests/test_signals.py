@@ -5,6 +5,7 @@ never a traceback or a crash, and the same command resumes. Real processes and r
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import signal
@@ -138,3 +139,61 @@ def test_ctrl_c_twice_during_a_checkpoint_save_exits_cleanly_and_resumes(
     assert resumed.returncode == 0, stderr
     assert f"Resumed from round {last} in {workdir}." in stderr or last == 0, stderr
     assert f"Finished round {last + 1}:" in stderr, stderr
+
+
+# Loaded by the command below (PYTHONPATH): the clean-up of the second Ctrl-C never ends, as in
+# a deadlock of a thread the run waits for; the main thread waits on a lock, in native code.
+_STUCK_CLEAN_UP = """
+import threading
+
+from fedorth.train import loop
+
+_never = threading.Lock()
+_never.acquire()
+
+
+def _stuck(*args, **kwargs):
+    _never.acquire()
+
+
+loop.stopped_at_once = _stuck
+"""
+
+
+def test_a_third_signal_ends_a_stop_that_does_not_end(tmp_path, cli_env):  # noqa: F811
+    """The second Ctrl-C's clean-up hangs (patched to wait forever): a third signal ends the
+    process at once in one line, exit code 130, although the main thread is held in native code
+    where Python's handlers cannot run; the same command resumes."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_STUCK_CLEAN_UP)
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), str(REPO)])}
+    workdir = tmp_path / "w"
+    args = ["--config.fed.rounds=400", "--config.checkpoint_every=2"]
+    proc = _start(workdir, *args, env=env)
+    try:
+        wait_for(lambda: (workdir / "checkpoints" / "2").is_dir(), proc, "round 2's checkpoint")
+        proc.send_signal(signal.SIGINT)
+        line = proc.stderr.readline()
+        while line.startswith("[") or not line.strip():  # the progress bar's lines
+            line = proc.stderr.readline()
+        assert line.startswith("SIGINT: stopping after the round in progress"), line
+        proc.send_signal(signal.SIGINT)  # at once, from the newest checkpoint: never ends here
+        time.sleep(2)
+        assert proc.poll() is None, "the patched clean-up should hold the run"
+        proc.send_signal(signal.SIGINT)
+    finally:
+        stderr = _finish(proc)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert _after_progress(stderr)[-1] == (
+        "SIGINT again: exiting now; the same command resumes from the newest checkpoint."
+    ), stderr
+    assert_documented(
+        "a third Ctrl-C, the second's stop not ending (exit code 130; SIGTERM: 143)",
+        _after_progress(stderr)[-1],
+        tmp_path,
+    )
+    resumed = _start(workdir, "--config.fed.rounds=6", "--config.checkpoint_every=2", env=cli_env)
+    stderr = _finish(resumed)
+    assert resumed.returncode == 0, stderr
+    assert re.search(rf"Resumed from round \d+ in {re.escape(str(workdir))}\.", stderr), stderr

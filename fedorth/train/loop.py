@@ -38,6 +38,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import pathlib
 import platform
 import re
@@ -718,7 +719,15 @@ class _Signals:
     newest checkpoint). Installed only in the main thread (Python's signal handlers live there).
     Several processes (``processes > 1``) stop together: each asks the others after every round
     (:meth:`stop_requested`), and all save that round and stop, whichever process got the signal.
+
+    A third signal ends the process at once (``os._exit``), even when the main thread is held in
+    native code (a computation, a read, a lock), where Python's handlers cannot run: a thread of
+    its own reads the signals from :func:`signal.set_wakeup_fd`'s pipe, which the interpreter
+    writes to as each signal arrives. The run resumes from its newest complete checkpoint (a
+    save cut short leaves a temporary folder that the restore ignores).
     """
+
+    FORCED = 3  # the signal that ends the process at once
 
     HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -732,10 +741,30 @@ class _Signals:
         # The notice goes to the run's stderr even when a signal lands during a checkpoint save,
         # which silences sys.stderr (fedorth.train.checkpoint).
         self._stream = sys.stderr
+        self._wakeup: tuple[int, int, int] | None = None
         if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in self.HANDLED:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._watch()
         return self
+
+    def _watch(self) -> None:
+        """Starts the thread that ends the process at the :data:`FORCED`-th signal."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the interpreter's handler never waits on it
+        try:
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._wakeup = (read_fd, write_fd, previous)
+        threading.Thread(
+            target=_force_exit_at,
+            args=(read_fd, self.HANDLED, self.FORCED),
+            daemon=True,
+            name="fedorth-signals",
+        ).start()
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
@@ -750,8 +779,8 @@ class _Signals:
             except OSError:
                 pass
             return
-        for handled in self.HANDLED:  # the clean-up that follows is not interrupted again
-            signal.signal(handled, signal.SIG_IGN)
+        for handled in self.HANDLED:  # the clean-up that follows is not interrupted again;
+            signal.signal(handled, _count_only)  # a third signal still reaches the watcher
         self.received = signum
         raise KeyboardInterrupt
 
@@ -770,6 +799,38 @@ class _Signals:
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        if self._wakeup is not None:
+            read_fd, write_fd, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write_fd)  # the watcher reads the end of its pipe and returns
+            self._wakeup = None
+
+
+def _count_only(signum, frame) -> None:
+    """A signal after the second: the watcher of :class:`_Signals` counts it (and ends the
+    process); the main thread's clean-up goes on uninterrupted."""
+
+
+def _force_exit_at(read_fd: int, handled: tuple[int, ...], forced: int) -> None:
+    """Reads the signal numbers the interpreter writes to the wake-up pipe; at the ``forced``-th
+    of ``handled`` it says so in one line and ends the process (exit status ``128 + signal``)."""
+    count = 0
+    try:
+        while chunk := os.read(read_fd, 64):
+            for signum in chunk:
+                if signum not in handled:
+                    continue
+                count += 1
+                if count >= forced:
+                    name = signal.Signals(signum).name
+                    os.write(
+                        2,
+                        f"\n{name} again: exiting now; the same command resumes from the newest "
+                        "checkpoint.\n".encode(),
+                    )
+                    os._exit(128 + signum)
+    finally:
+        os.close(read_fd)
 
 
 def communication_row(experiment: builders.Experiment, server) -> dict[str, float]:
