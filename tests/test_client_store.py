@@ -402,6 +402,27 @@ def test_bench_rows_time_each_store_and_keep_device_memory_flat(tmp_path):
     assert held >= 6 * rows[8, "device"]["bytes_per_client"]
 
 
+def test_bench_times_the_stores_in_turn_and_reads_their_ratio_from_those_rounds(tmp_path):
+    """The stores of one ``N`` run in one process with their rounds taken in turn, so each meets
+    the same load; the table's ``in turn`` ratio divides by the device's median of those rounds
+    (not by the device row measured at another time)."""
+    from experiments.bench import client_state as bench
+
+    args = bench.parse_args(
+        ["--workload=mlp_small", "--clients-per-round=2", "--local-steps=1", "--rounds=2"]
+    )
+    medians = bench.run_interleaved(args, 8, ["device", "disk"], tmp_path)
+    assert sorted(medians) == ["device", "disk"] and all(t > 0 for t in medians.values())
+    rows = [
+        {"N": 8, "store": "device", "round_s": 1.0},
+        {"N": 8, "store": "disk", "round_s": 4.0},
+    ]
+    done = subprocess.CompletedProcess([], 0, stdout=json.dumps({"device": 2.0, "disk": 2.5}))
+    bench._add_interleaved(rows, 8, done)
+    bench._ratios(rows)
+    assert rows[1]["vs_device"] == 4.0 and rows[1]["vs_device_in_turn"] == 1.25
+
+
 def test_a_sweep_refuses_a_store_off_the_device():
     """A sweep's rounds vmap its replicas' whole server states: host or disk is refused in one
     line before anything is built."""

@@ -16,6 +16,11 @@ them (``+MB``: from the compiled round to the end; the states of ``device`` on a
 those of ``host`` are allocated before, and count in the first column only). A store whose states
 do not fit (within half of the free device or host memory, or in the free disk) is reported as
 such, not run.
+
+The rows, measured one after another, meet whatever load the machine has at the time; on a machine
+shared with other jobs that load moves the ratios more than the stores do. So each ``N`` also runs
+its stores in one process with their rounds taken in turn (``in turn``: :func:`run_interleaved`),
+where every store meets the same load; that ratio is the one to read against the 1.3x target.
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ def _fits(kind: str, total: int, directory: pathlib.Path) -> bool:
     return total <= (free if kind == "disk" else client_store.FRACTION * free)
 
 
-def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict[str, Any]:
-    """One (N, store) row, in this process."""
+def _setup(args, num_clients: int, kind: str, directory: pathlib.Path):
+    """``(round_fn, server, data, store, row)`` of one (N, store), or ``(..., row)`` with
+    ``row["skipped"]`` where its states do not fit."""
     workload = WORKLOADS[args.workload]
     model = build_model(workload, "auto")
     x, y, partition = make_data(workload, DATA_CLIENTS)
@@ -84,7 +90,7 @@ def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict
         "states_bytes": per_client * num_clients,
     }
     if not _fits(kind, per_client * num_clients, directory):
-        return {**row, "skipped": "does not fit"}
+        return None, None, None, None, {**row, "skipped": "does not fit"}
     config = fed.RoundConfig(
         num_clients=num_clients,
         clients_per_round=s,
@@ -108,6 +114,21 @@ def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict
         round_fn = stored_round.StoredRoundFn(inner, store, num_clients, s)
         server = server.replace(clients=None)
     row["device_peak_bytes"] = peak_memory(round_fn.lower(server, data).compile())["peak_bytes"]
+    return round_fn, server, data, store, row
+
+
+def _timed_round(round_fn, server, data):
+    start = time.perf_counter()
+    server, metrics = round_fn(server, data)
+    jax.block_until_ready(server)
+    return server, metrics, time.perf_counter() - start
+
+
+def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict[str, Any]:
+    """One (N, store) row, in this process."""
+    round_fn, server, data, store, row = _setup(args, num_clients, kind, directory)
+    if "skipped" in row:
+        return row
     row["rss_start_bytes"] = _rss_bytes()
     times = []
     for r in range(args.rounds + 1):
@@ -126,24 +147,69 @@ def run_case(args, num_clients: int, kind: str, directory: pathlib.Path) -> dict
     return row
 
 
-def _ratios(rows: list[dict]) -> None:
-    device = {r["N"]: r["round_s"] for r in rows if r["store"] == "device" and "round_s" in r}
+def run_interleaved(
+    args, num_clients: int, kinds: list[str], directory: pathlib.Path
+) -> dict[str, float]:
+    """The stores of one ``N`` in one process, their rounds taken in turn (``device``, ``host``,
+    ``disk``, ``device``, ...): each store's median round time meets the same load as the
+    others', which a machine shared with other jobs does not give rows measured one after
+    another. The rounds of ``host`` and ``disk`` include their store's reads and writes (each
+    round waits for the previous round's write before it returns its own)."""
+    cases = {}
+    for kind in kinds:
+        round_fn, server, data, store, row = _setup(args, num_clients, kind, directory / kind)
+        if "skipped" not in row:
+            server, _, _ = _timed_round(round_fn, server, data)  # compiles
+            cases[kind] = [round_fn, server, data, store, []]
+    for _ in range(args.rounds):
+        for case in cases.values():
+            case[1], _, elapsed = _timed_round(*case[:3])
+            case[4].append(elapsed)
+    for case in cases.values():
+        if case[3] is not None:
+            case[0].close()
+    return {kind: float(np.median(case[4])) for kind, case in cases.items()}
+
+
+def _add_interleaved(rows: list[dict], n: int, done: subprocess.CompletedProcess) -> None:
+    """The medians of the stores' rounds taken in turn (:func:`run_interleaved`) into the rows
+    of ``N = n``."""
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"{n}: the rounds taken in turn failed: {last}", flush=True)
+        return
+    medians = json.loads(done.stdout.strip().splitlines()[-1])
     for r in rows:
-        if "round_s" in r and r["N"] in device:
-            r["vs_device"] = r["round_s"] / device[r["N"]]
+        if r["N"] == n and r["store"] in medians:
+            r["round_s_in_turn"] = medians[r["store"]]
+    print(f"{n}: rounds in turn, median s: {medians}", flush=True)
+
+
+def _ratios(rows: list[dict]) -> None:
+    for measured in ("round_s", "round_s_in_turn"):
+        device = {r["N"]: r[measured] for r in rows if r["store"] == "device" and measured in r}
+        for r in rows:
+            if measured in r and r["N"] in device:
+                r["vs_device" + measured.removeprefix("round_s")] = r[measured] / device[r["N"]]
 
 
 def _table(rows: list[dict]) -> str:
-    head = "N        store   B/client  states MB  round s  vs device  device MB  RSS MB  +MB"
+    head = (
+        "N        store   B/client  states MB  round s  vs device  in turn s  vs device  "
+        "device MB  RSS MB  +MB"
+    )
     lines = [head]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['N']:<8} {r['store']:<7} {r['bytes_per_client']:>8}  {r['skipped']}")
             continue
         ratio = f"{r['vs_device']:.2f}x" if "vs_device" in r else "-"
+        in_turn = f"{r['round_s_in_turn']:.3f}" if "round_s_in_turn" in r else "-"
+        turn_ratio = f"{r['vs_device_in_turn']:.2f}x" if "vs_device_in_turn" in r else "-"
         lines.append(
             f"{r['N']:<8} {r['store']:<7} {r['bytes_per_client']:>8} "
             f"{r['states_bytes'] / 1e6:>10.1f} {r['round_s']:>8.3f} {ratio:>10} "
+            f"{in_turn:>10} {turn_ratio:>10} "
             f"{r['device_peak_bytes'] / 1e6:>10.1f} {r['rss_bytes'] / 1e6:>7.0f} "
             f"{(r['rss_bytes'] - r['rss_start_bytes']) / 1e6:>4.0f}"
         )
@@ -169,12 +235,16 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.child:
         n, kind = args.child.split(",")
-        print(json.dumps(run_case(args, int(n), kind, pathlib.Path(args.dir))))
+        if kind == "interleaved":
+            kinds = args.stores.split(",")
+            print(json.dumps(run_interleaved(args, int(n), kinds, pathlib.Path(args.dir))))
+        else:
+            print(json.dumps(run_case(args, int(n), kind, pathlib.Path(args.dir))))
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for n in [int(v) for v in args.clients.split(",")]:
-            for kind in args.stores.split(","):
+            for kind in [*args.stores.split(","), "interleaved"]:
                 directory = pathlib.Path(args.dir or scratch) / f"{n}_{kind}"
                 command = [
                     sys.executable,
@@ -186,6 +256,9 @@ def main(argv: list[str]) -> int:
                     f"--dir={directory}",
                 ]
                 done = subprocess.run(command, capture_output=True, text=True)
+                if kind == "interleaved":
+                    _add_interleaved(rows, n, done)
+                    continue
                 if done.returncode:
                     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                     rows.append(
