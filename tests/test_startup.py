@@ -204,3 +204,18 @@ def test_cpu_round_out_of_memory_is_the_documented_paragraph(tmp_path):
         done.stderr[-3000:]
     )
     assert "Remedies:" in last and "Traceback" not in done.stderr
+
+
+def test_cpu_round_out_of_memory_with_the_disk_store_is_the_documented_paragraph(tmp_path):
+    # The 100 clients' states go to disk; the round that does not fit fails while the store's
+    # writer waits for its rows: the round's paragraph is what the run says, not the writer's
+    # RESOURCE_EXHAUSTED raised in its place while the run closes.
+    done = _limited_cli(
+        tmp_path, 2.5, "--config.data.num_clients=100", "--config.fed.client_state=disk"
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: A round does not fit in the memory of cpu:0: XLA asked for"), (
+        done.stderr[-3000:]
+    )
+    assert "Traceback" not in done.stderr and "RESOURCE_EXHAUSTED" not in done.stderr

@@ -632,13 +632,28 @@ def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[
                 (writer, signals, feed),
             )
             writer.finish(trackers_lib.finished_files(files))
-        finally:
-            writer.close()  # TensorBoard's last events reach the file
-            checkpointer.close()
-            if states is not None:
-                states.close()
+        except BaseException:
+            _close(writer, checkpointer, states, failed=True)
+            raise
+        _close(writer, checkpointer, states, failed=False)
     _summary(files, row, checkpointer, workdir / "checkpoints")
     return row
+
+
+def _close(writer: MetricsWriter, checkpointer: Checkpointer, states, *, failed: bool) -> None:
+    """Closes the run's outputs (TensorBoard's last events reach the file) and its client-state
+    store. After a failure (``failed``), the store's error is not raised in its place: the
+    rows of a round that failed (out of memory, a signal) were never computed, and the run
+    resumes from its newest checkpoint, which the store's own files agree with."""
+    writer.close()
+    checkpointer.close()
+    if states is None:
+        return
+    try:
+        states.close()
+    except Exception:
+        if not failed:
+            raise
 
 
 def _summary(
