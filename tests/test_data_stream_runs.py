@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import fedavg
+from configs import scaffold
 from fedorth.train import builders, feed
 from fedorth.train.checkpoint import _DIGEST_KEY
 from tests.test_data_natural import write_fedjax_sqlite
@@ -29,12 +29,14 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # -------------------------------------------------------------- killed and run again, by the CLI
 
 ROUNDS, EVERY = 6, 2
-# The kill lands in the prefetch thread's read of round 4's clients (index), while round 3
-# computes: rows 0..3 were written, checkpoint 2 saved.
+# SCAFFOLD, the clients' control variates on disk (fed.client_state=disk). The kill lands in
+# the prefetch thread's read of round 4's clients (index), while round 3 computes (and the
+# store gathers and writes rows): rows 0..3 were written, checkpoint 2 saved.
 KILLED_READ = 4
 
 CLI_ARGS = (
-    "--config=configs/fedavg.py",
+    "--config=configs/scaffold.py",
+    "--config.fed.client_state=disk",
     "--config.data.name=emnist",
     "--config.data.partition=natural",
     "--config.data.num_clients=12",
@@ -111,8 +113,8 @@ def _final_digest(workdir: pathlib.Path) -> str:
 
 @pytest.fixture(scope="module")
 def killed_streamed_run(tmp_path_factory):
-    """An uninterrupted streamed run; the same command killed with SIGKILL while its prefetch
-    thread reads round 5's clients, then run again by the same command."""
+    """An uninterrupted streamed run with the states on disk; the same command killed with
+    SIGKILL while its prefetch thread reads round 5's clients, then run again by it."""
     tmp = tmp_path_factory.mktemp("streamed_runs")
     data_dir = tmp / "data"
     data_dir.mkdir()
@@ -130,8 +132,9 @@ def killed_streamed_run(tmp_path_factory):
 @pytest.mark.slow  # three runs of 6 rounds in fresh processes
 def test_streamed_run_killed_during_a_prefetch_ends_as_an_uninterrupted_run(killed_streamed_run):
     """The kill lands while the prefetch thread reads round 5's clients (round 4 computing);
-    the same command resumes from checkpoint 2, reads rounds 3.. again, and ends with the
-    uninterrupted run's metrics and server state, bit for bit."""
+    the same command resumes from checkpoint 2 (the store returns to it), reads rounds 3..
+    again, and ends with the uninterrupted run's metrics, server state and clients' states, bit
+    for bit. (``tests/test_client_store.py``: the disk store gives the device's bytes.)"""
     reference, (killed, steps, rows), resumed, workdir = killed_streamed_run
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert steps == [EVERY] and rows == [0, 1, 2, 3], (steps, rows)
@@ -140,11 +143,17 @@ def test_streamed_run_killed_during_a_prefetch_ends_as_an_uninterrupted_run(kill
     assert without_wall(rows_of(workdir)) == without_wall(rows_of(reference))
     assert [row["round"] for row in rows_of(workdir)] == list(range(ROUNDS + 1))
     # Every round samples other clients: a round fed another round's clients would show.
-    key = builders.run_key(fedavg.get_config())  # its seed: the command sets none
+    key = builders.run_key(scaffold.get_config())  # its seed: the command sets none
     samples = {tuple(feed.round_clients(key, r, 12, 3)) for r in range(ROUNDS)}
     assert len(samples) == ROUNDS
-    # The last checkpoint's digest: its parameters and every other leaf, bit for bit.
+    # The last checkpoint's digest: its parameters and every other leaf, bit for bit; the
+    # store's files: every client's control variate.
     assert _final_digest(workdir) == _final_digest(reference)
+    leaves = sorted(p.name for p in (reference / "client_state").glob("leaf_*.bin"))
+    assert leaves and leaves == sorted(p.name for p in (workdir / "client_state").glob("leaf_*"))
+    for name in leaves:
+        want = (reference / "client_state" / name).read_bytes()
+        assert (workdir / "client_state" / name).read_bytes() == want, name
 
 
 # ------------------------------------------------- a mesh of devices, the states off the device
