@@ -114,6 +114,7 @@ _LONGEST = {
     "test_scaffold_on_2_x_2_devices_resumes_after_a_process_is_killed": 54,
     "test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs": 53,
     "test_disk_run_killed_and_run_again_ends_as_an_uninterrupted_run": 51,
+    "test_streamed_run_killed_during_a_prefetch_ends_as_an_uninterrupted_run": 50,
     "test_every_kind_of_config_on_two_processes_equals_one_process[fedpac_soap]": 49,
     "test_a_second_job_of_the_same_slice_is_refused_in_one_line": 39,
     "test_sigterm_and_ctrl_c_stop_every_process_at_one_saved_round": 36,
