@@ -163,16 +163,23 @@ def privatize(dp: ClientDP, ctx, stats: dict) -> tuple[dict, PyTree, dict]:
     uploads = {name: mean[name] for name in UPLOADS if name in mean}
     std = dp.update_noise_multiplier * clip_norm
     # (sum_i u_i + sigma C z) / D with sum_i u_i = S mean_i u_i; S / D is 1.0 under fixed-size
-    # sampling, so a run without noise and clipping reproduces the plain mean bit for bit.
-    noised = jax.tree.map(
-        lambda x, z: (
-            (x * (s / denominator) + z * (std / denominator).astype(x.dtype))
-            if fed_optim.is_float(x)
-            else x
-        ),
-        uploads,
-        gaussian_noise(keys["noise"], uploads),
-    )
+    # sampling, so a run without noise and clipping reproduces the plain mean bit for bit. With
+    # sigma = 0 the noise term is left out of the program: an add of zeros after the mean would
+    # change how XLA fuses the mean's sum (vmapped clients), and with it the sum's last bits.
+    if dp.update_noise_multiplier == 0:
+        noised = jax.tree.map(
+            lambda x: x * (s / denominator) if fed_optim.is_float(x) else x, uploads
+        )
+    else:
+        noised = jax.tree.map(
+            lambda x, z: (
+                (x * (s / denominator) + z * (std / denominator).astype(x.dtype))
+                if fed_optim.is_float(x)
+                else x
+            ),
+            uploads,
+            gaussian_noise(keys["noise"], uploads),
+        )
     mean.update(noised)
     count_sum = mean.pop(UNCLIPPED) * s
     count_noise = dp.count_noise_multiplier * jax.random.normal(keys["count"], (), clip_norm.dtype)
