@@ -589,7 +589,16 @@ def _run_locked(
     finished = False
     try:
         with signals:
-            rows = sweep.run(plan, had_rows, signals)
+            try:
+                rows = sweep.run(plan, had_rows, signals)
+            except loop.RunInterrupted:
+                raise
+            except KeyboardInterrupt as e:
+                # A second signal outside the rounds (the restore, a catch-up's start, a save):
+                # the same stop at once as within them, naming the checkpoint a rerun resumes from.
+                raise loop.stopped_at_once(
+                    signals.received, sweep.done, checkpointer, sweep.workdir, "the sweep "
+                ) from e
         for writer, folder in zip(writers, folders, strict=True):
             if writer is not None:
                 writer.finish(trackers_lib.finished_files(folder))
@@ -687,6 +696,7 @@ class _Sweep:
     def run(self, plan, had_rows, signals) -> list[dict[str, Any]]:
         rr, count = self.replica_round, len(self.folders)
         restored, done = self._restore(plan)
+        self.done = done  # the round a stop at once names until the rounds run
         again: list[int] = [i for i in range(count) if i not in restored]
         for index in sorted(restored):
             if self.writers[index] is None:  # another process's replica
