@@ -127,7 +127,10 @@ def test_adaptive_clipping_matches_numpy():
     "name,optim",
     [("fedavg", {"name": "sgd"}), ("scaffold", {"name": "sgd"}), ("fedpac", {"name": "adamw"})],
 )
-@pytest.mark.parametrize("strategy", ["sequential", "chunked", "vmap"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["sequential", "chunked", "vmap", pytest.param("sharded", marks=pytest.mark.cpu_devices)],
+)
 def test_no_noise_and_huge_clip_is_the_run_without_dp(name, optim, strategy):
     """sigma = 0 and C = 1e30: every upload (delta, control variates, FedPAC's Theta) passes
     unchanged and S / D = 1, so the run equals the run without privacy bit for bit, under
