@@ -239,6 +239,25 @@ def test_published_epsilon_is_reproduced():
     assert 7.5 < train_privacy.epsilon(config, 0.7, rounds) < moments
 
 
+def test_published_dp_fedavg_setting_is_reproduced():
+    """TensorFlow Federated's tutorial "Differential privacy in TFF" (DP-FedAvg on federated
+    EMNIST, google-parfait/tensorflow-federated, docs/tutorials/
+    federated_learning_with_differential_privacy.ipynb): N = 3383 clients, Poisson sampling of
+    S / N, noise multiplier 0.01 S, 100 rounds, delta = 1e-5, RDP accountant. Its search for the
+    fewest clients per round reaching (2, 1e-5)-DP gives S = 120 with noise multiplier 1.2, and
+    its final model "satisfies (2, 1e-5)-DP". The run's accountant agrees: S = 120 is within
+    epsilon 2, S = 119 (noise multiplier 1.19) is not."""
+    pytest.importorskip("dp_accounting")
+    from fedorth.train import privacy as train_privacy
+
+    def epsilon(expected_clients: int) -> float:
+        config = _config(sampling="poisson", sampling_rate=expected_clients / 3383, delta=1e-5)
+        config.data.num_clients = config.fed.clients_per_round = 3383
+        return train_privacy.epsilon(config, 0.01 * expected_clients, 100)
+
+    assert 1.95 < epsilon(120) <= 2.0 < epsilon(119)
+
+
 def test_target_epsilon_calibrates_sigma(capsys):
     """The smallest sigma whose epsilon after fed.rounds rounds is at most the target."""
     pytest.importorskip("dp_accounting")
