@@ -253,3 +253,23 @@ def small_disk(tmp_path):
         pytest.skip("mounting a tmpfs is not permitted here")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def cli_compilation_cache(tmp_path_factory):
+    """The persistent compilation cache folder of the tiny config's command-line runs, one per
+    test process (tests/reliability_helpers.py's ``cli_env`` says who may write to it)."""
+    return tmp_path_factory.mktemp("cli_compilation_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_run(tmp_path_factory, cli_compilation_cache):
+    """The tiny config's command run once per test process (its workdir), which fills
+    ``cli_compilation_cache`` (tests/reliability_helpers.py's ``tiny_reference``)."""
+    from reliability_helpers import compilation_cache_env, run_tiny_cli
+
+    workdir = tmp_path_factory.mktemp("tiny_reference") / "w"
+    env = compilation_cache_env(cli_compilation_cache)
+    out = run_tiny_cli(workdir, "--config.fed.rounds=4", "--config.checkpoint_every=1", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from reliability_helpers import CONFIG_ARGUMENTS, assert_documented, config_argument_message
 
 from fedorth import catalog, data, fed, models
 from fedorth.fed import local
@@ -268,6 +269,11 @@ def test_cli_bad_config_argument_is_one_clean_line_exit_2(spec, tmp_path, monkey
     with pytest.raises(catalog.ConfigArgumentError) as info:
         catalog.resolve_config(spec)
     assert out.stderr.splitlines() == [f"error: {info.value}"], out.stderr
+
+
+def test_config_argument_errors_are_documented(tmp_path):
+    for description, spec in CONFIG_ARGUMENTS.items():
+        assert_documented(description, config_argument_message(spec), tmp_path)
 
 
 def test_configs_are_a_package_listed_in_setup_cfg():

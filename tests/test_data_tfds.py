@@ -2,10 +2,13 @@
 (which patches ``builder.as_data_source`` in tfds 4.9.10, so the loaders run unchanged), the
 conversions, the missing-dataset error, and Tiny ImageNet from a fake extracted folder."""
 
+import subprocess
+
 import numpy as np
 import PIL.Image
 import pytest
 import tensorflow_datasets as tfds
+from reliability_helpers import MISSING_DATA, REPO, assert_documented, cli, missing_data_message
 from tensorflow_datasets.image_classification import mnist
 
 from fedorth import data
@@ -78,6 +81,19 @@ def test_missing_tiny_imagenet_error(tmp_path):
     with pytest.raises(data.DatasetNotPreparedError, match="tiny-imagenet-200") as info:
         data.load_dataset("tiny_imagenet", data_dir=tmp_path)
     assert str(info.value).endswith(f"pass --config.data.data_dir=DIR. {T.NO_DOWNLOAD}")
+
+
+def test_cli_missing_dataset_is_a_clear_error_without_traceback(tmp_path):
+    data_dir = tmp_path / "tfds"
+    args = ["--config.data.name=cifar10", f"--config.data.data_dir={data_dir}"]
+    out = subprocess.run(cli(tmp_path / "w", *args), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    expected = missing_data_message(data_dir)
+    assert expected in out.stderr, out.stderr
+    for needed in ("'cifar10'", str(data_dir), f"tfds build cifar10 --data_dir={data_dir}"):
+        assert needed in expected
+    assert_documented(MISSING_DATA, expected, tmp_path)
 
 
 # --------------------------------------------------- a real prepared array_record dataset

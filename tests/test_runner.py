@@ -9,12 +9,12 @@ commit on 2 CPU cores; rounds 10/20/30: 0.908/0.942/0.969).
 The other runs use small models (a one-layer MLP, a one-convolution CNN): what they test is the
 runner (checkpoints, resumption, live outputs), and their time is mostly compilation. A workdir
 of another config refused unless ``--overwrite``, a cosine run's rounds that cannot change, and
-the Ctrl-C message naming the round and the resume round are tested on the tiny config of
-tests/test_reliability.py (``test_workdir_of_a_different_config_is_refused_unless_overwrite``,
+the Ctrl-C message naming the round and the resume round are tested on the tiny config in
+tests/test_loop.py (``test_workdir_of_a_different_config_is_refused_unless_overwrite``,
 ``test_rounds_change_of_a_cosine_run_and_ctrl_c_are_documented``), whose programs that file
 compiles anyway.
 Every program goes to the suite's persistent compilation cache
-(``test_reliability.cache_every_program``), so the second and later ``train.run`` of a config
+(``reliability_helpers.cache_every_program``), so the second and later ``train.run`` of a config
 (a stopped run's resumption, a rerun) reuse the first one's executables.
 """
 
@@ -233,7 +233,7 @@ def test_stopped_run_resumes_to_the_same_metrics(name, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Live runs (issue 25): round-0 evaluation, curves at every evaluation, TensorBoard, progress
-# with a recent rate and ETA, extending a finished run (Ctrl-C: tests/test_reliability.py).
+# with a recent rate and ETA, extending a finished run (Ctrl-C: tests/test_loop.py).
 
 
 def _tensorboard_scalars(logdir: pathlib.Path) -> dict[tuple[str, int], float]:

@@ -19,13 +19,17 @@ import sys
 import numpy as np
 import pytest
 from test_reliability import (
+    EMPTY_WORKDIR,
     REPO,
     assert_documented,
     cli_env,  # noqa: F401 -- a fixture
     run_tiny_cli,
+    tiny_cli,
     tiny_reference,  # noqa: F401 -- a fixture
+    workdir_message,
 )
 
+from fedorth.train import loop
 from fedorth.train import workdir as workdir_lib
 
 TARGET_BYTES = b"a colleague's file: not the run's to write\n"
@@ -140,6 +144,19 @@ def test_full_disk_while_run_lock_is_written_is_one_line(small_disk, cli_env):  
         "starts or resumes it)."
     ), out.stderr
     assert_documented(LOCK_DISK_FULL, message, small_disk)
+
+
+def test_empty_workdir_is_refused_and_tilde_is_expanded(tmp_path):
+    out = subprocess.run(
+        tiny_cli("", "--config.fed.rounds=1"), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written into the current folder"
+    message = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert message == ["error: " + workdir_message("")], out.stderr
+    assert_documented(EMPTY_WORKDIR, message[0], tmp_path)
+    assert loop.workdir_lib.resolve("~/x") == pathlib.Path.home() / "x"
 
 
 # ---------------------------------------------------------------------------------------------
