@@ -63,8 +63,9 @@ class StoredRoundFn:
         self._reader = concurrent.futures.ThreadPoolExecutor(1, "client-state-read")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "client-state-write")
         self._pending: concurrent.futures.Future | None = None
-        self._prefetch: tuple[int, np.ndarray, concurrent.futures.Future] | None = None
+        self._prefetch: tuple[int, concurrent.futures.Future] | None = None
         self._previous: tuple[np.ndarray, list] | None = None
+        self._key: tuple[np.ndarray, Any] | None = None
         n, s = num_clients, clients_per_round
         self._ids = jax.jit(lambda key, r: sample_clients(key, r, n, s)[1])
 
@@ -72,11 +73,24 @@ class StoredRoundFn:
         """The ids round ``round_index`` samples (as the round itself samples them)."""
         return np.asarray(self._ids(server.key, jnp.asarray(round_index, jnp.int32)))
 
+    def _host_key(self, server: ServerState) -> tuple[np.ndarray, Any]:
+        # The server's key is the run's (fixed): a host copy, which the round's donation of
+        # `server` does not take, draws every round's ids in the reader thread.
+        if self._key is None:
+            data = np.asarray(jax.device_get(jax.random.key_data(server.key)))
+            self._key = (data, jax.random.key_impl(server.key))
+        return self._key
+
+    def _sampled_from(self, key: tuple[np.ndarray, Any], round_index: int) -> np.ndarray:
+        data, impl = key
+        server_key = jax.random.wrap_key_data(data, impl=impl)
+        return np.asarray(self._ids(server_key, jnp.asarray(round_index, jnp.int32)))
+
     def _rows(self, server: ServerState, round_index: int) -> tuple[np.ndarray, list]:
         prefetched = self._prefetch
         self._prefetch = None
         if prefetched is not None and prefetched[0] == round_index:
-            ids, host_rows = prefetched[1], prefetched[2].result()
+            ids, host_rows = prefetched[1].result()
         else:
             self.wait()
             ids = self.sampled(server, round_index)
@@ -104,26 +118,30 @@ class StoredRoundFn:
         ids, rows = self._rows(server, round_index)
         return server.replace(clients=self.store.treedef.unflatten(rows)), ids, round_index
 
-    def _read_after(self, pending: concurrent.futures.Future | None, ids: np.ndarray) -> list:
-        # The rounds before the one in progress must have reached the store; the one in
-        # progress is being written meanwhile, its rows come from the device (_rows).
+    def _read_after(
+        self, pending: concurrent.futures.Future | None, key, round_index: int
+    ) -> tuple[np.ndarray, list]:
+        # Drawing the ids costs O(N) (a permutation of the N ids): here, beside the round, not
+        # before it. The rounds before the one in progress must have reached the store; the one
+        # in progress is being written meanwhile, its rows come from the device (_rows).
+        ids = self._sampled_from(key, round_index)
         if pending is not None:
             pending.result()
-        return self.store.read(ids)
+        return ids, self.store.read(ids)
 
     def __call__(self, server: ServerState, data: PyTree):
         server, ids, round_index = self._arguments(server)
-        # The next round's ids, from the run's key (the same every round), read while this
-        # round runs.
-        following = self.sampled(server, round_index + 1)
-        prefetch = self._reader.submit(self._read_after, self._pending, following)
+        # The next round's ids, from the run's key (the same every round), drawn and read while
+        # this round runs.
+        key = self._host_key(server)
+        prefetch = self._reader.submit(self._read_after, self._pending, key, round_index + 1)
         new, metrics = self.inner(server, data)  # donates `server`
         rows = jax.tree.leaves(new.clients)
         if self._pending is not None:
             self._pending.result()  # the round before: written
         self._pending = self._writer.submit(self._write, ids, rows, round_index + 1)
         self._previous = (ids, rows)
-        self._prefetch = (round_index + 1, following, prefetch)
+        self._prefetch = (round_index + 1, prefetch)
         return new.replace(clients=None), metrics
 
     def wait(self) -> None:
@@ -136,9 +154,10 @@ class StoredRoundFn:
         """Forgets the rows in flight (before the store is started again, e.g. on resume)."""
         self.wait()
         if self._prefetch is not None:
-            concurrent.futures.wait([self._prefetch[2]])  # its rows are dropped
+            concurrent.futures.wait([self._prefetch[1]])  # its rows are dropped
         self._prefetch = None
         self._previous = None
+        self._key = None
 
     def close(self) -> None:
         try:
