@@ -173,3 +173,13 @@ def test_each_task_preset_runs_through_the_command_line(tmp_path):
             assert evals and all(0 <= r["test_recall_at_5"] <= 1 for r in evals), rows
             assert all(0 <= r["test_recall_at_5_client_mean"] <= 1 for r in evals), rows
             assert np.isfinite([r["test_loss"] for r in evals]).all(), rows
+
+
+def test_tag_input_spec_follows_the_loader_options():
+    """The shapes a run's memory estimate reads without loading the data."""
+    from fedorth.train import builders
+
+    shape, dtype, tags = builders.input_spec("stackoverflow_tags")
+    assert (shape, np.dtype(dtype), tags) == ((10000,), np.float32, 500)
+    small = builders.input_spec("stackoverflow_tags", {"vocab_size": 7, "tag_vocab_size": 3})
+    assert (small[0], small[2]) == ((7,), 3)

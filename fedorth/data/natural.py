@@ -1095,6 +1095,7 @@ def load_stackoverflow_tags(
             raise DataConfigError(
                 f"data.dataset_kwargs.{key}={value} must be >= 1 (TFF's: 10,000 words, 500 tags)."
             )
+    dataset_files("stackoverflow", data_dir)  # the clients' files are named first when missing
     tag_vocab = stackoverflow_tag_vocab(data_dir, tag_vocab_size)
     converters = []
 
