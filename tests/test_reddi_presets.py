@@ -173,6 +173,7 @@ def test_each_task_preset_runs_through_the_command_line(tmp_path):
             assert evals and all(0 <= r["test_recall_at_5"] <= 1 for r in evals), rows
             assert all(0 <= r["test_recall_at_5_client_mean"] <= 1 for r in evals), rows
             assert np.isfinite([r["test_loss"] for r in evals]).all(), rows
+            assert "test_recall_at_5" in done.stdout + done.stderr  # the progress, the summary
 
 
 def test_tag_input_spec_follows_the_loader_options():

@@ -14,8 +14,7 @@ the TFDS/folder loaders of :mod:`fedorth.data.tfds` (``mnist``, ``fashion_mnist`
 ``cifar100``, ``glue/sst2``, ``sentiment140``, ``yelp_polarity_reviews``, ``c4``,
 ``tiny_imagenet``), and the datasets with natural clients of :mod:`fedorth.data.natural`
 (``emnist``, ``shakespeare``, ``stackoverflow``, ``stackoverflow_tags``, ``cifar100_pachinko``,
-``parquet``), read from
-TFF's HDF5, FedJAX's SQLite or parquet files.
+``parquet``), read from TFF's HDF5, FedJAX's SQLite or parquet files.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ The datasets (``data.name``), each with ``data.partition='natural'``:
   clients (ties alphabetically).
 * ``stackoverflow_tags``: tag prediction by user, from the same files (TFF's
   ``tag_prediction_preprocessing``): ``tokens`` and ``title`` joined by a space and split on
-  whitespace; ``x`` is each word's count among the example's words (out-of-vocabulary words
+  whitespace; ``x`` is each word's share of the example's words (out-of-vocabulary words
   counted in the total), over the ``vocab_size`` words of ``stackoverflow.word_count`` (float32
   ``[M, 10000]``, 40 KB an example); ``y`` the multi-hot of the ``|``-separated ``tags`` over the
   ``tag_vocab_size`` tags of TFF's ``stackoverflow.tag_count`` (JSON tag → users, most users
