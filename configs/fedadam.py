@@ -18,7 +18,7 @@ at lr 0.05 with weight decay 5e-4 (``presets.FEDMUON_ZG_SGD``, the starting poin
 other SGD baselines) and the same server Adam.
 
 Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
-weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_examples``
 (docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 

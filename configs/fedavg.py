@@ -28,7 +28,7 @@ Presets (configs/presets.py describes each setting):
   (``presets.FEDMUON_ZG_SGD``: the paper grid-searches and reports no value).
 
 Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
-weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_examples``
 (docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 

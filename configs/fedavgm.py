@@ -12,7 +12,7 @@ momentum 0.9, server lr 1 (Hsu et al.'s usual choice): ``cifar100_resnet18``, ``
 ``tiny_imagenet_resnet18``, ``tiny_imagenet_vit`` (Dir-0.1; ``*_dir0.05``), ``c4_llama{60m,130m,350m}``.
 
 Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
-weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_examples``
 (docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 

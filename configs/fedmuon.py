@@ -43,7 +43,7 @@ Presets (configs/presets.py):
   et al.) Table 9's fine-tuning AdamW rate, also used by Local AdamW in these presets).
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import base, presets

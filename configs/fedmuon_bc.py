@@ -19,7 +19,7 @@ Liu et al.'s (Jordan's) quintic coefficients, 5 steps; ``*_ns_classic``: Theorem
 paper: we use the FashionMNIST values there too.
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import base, presets

@@ -15,7 +15,7 @@ Muon, ``presets.fedmuon_liu_muon``, and FedPAC (Liu et al.)'s settings), with ``
 Table 7's ``Agg-m-SVD`` row is ``fedmuon_liu_table7_{resnet18,vit}_agg_m_svd`` (CIFAR-100, Dir-0.1).
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import base, fedmuon, presets

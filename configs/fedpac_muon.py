@@ -28,7 +28,7 @@ Table 9's FedPAC_Muon row (lr 1e-2, beta 0.5, beta1 0.9, wd 0.01), AdamW at Tabl
 biases and norms.
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import base, presets

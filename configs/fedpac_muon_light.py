@@ -11,7 +11,7 @@ Default preset: the FedPAC_Muon default (configs/fedpac_muon.py: Alg. 7's Muon) 
 Presets: those of configs/fedpac_muon.py (Tables 1/3/12/13, Table 8/10 values, its Muon).
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import fedpac_muon, presets

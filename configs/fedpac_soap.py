@@ -20,7 +20,7 @@ Fine-tuning (docs/FINETUNING.md): FedPAC (Liu et al.) Table 2 ``vit_base_{cifar1
 Table 9's FedPAC_SOAP row (lr 1e-3, beta 0.5, (0.95, 0.95), wd 0.01).
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import base, presets

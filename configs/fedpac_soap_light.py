@@ -14,7 +14,7 @@ Presets: those of configs/fedpac_soap.py (FedPAC (Liu et al.) Tables 1/3/12/13, 
 Table 6's light-variant experiment is ``cifar100_vit_dir0.05``.
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import fedpac_soap, presets

@@ -12,7 +12,7 @@ Presets: those of configs/fedpac_sophia.py (FedPAC (Liu et al.) Tables 1/3/12/13
 values).
 
 Reddi et al. 2021's natural-client tasks with this config's default optimizer and options,
-clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow}_uniform``.
+clients weighted uniformly: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_uniform``.
 """
 
 from configs import fedpac_sophia, presets

@@ -15,7 +15,7 @@ with FedAvg's local hyperparameters there (FedPAC Table 8/10 SGD row: lr 0.1, we
 runs FedYogi, so none is tuned for it).
 
 Reddi et al. 2021's natural-client tasks at its tuned client and server rates, clients
-weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow}_examples``
+weighted by their examples: ``reddi_{emnist,shakespeare,stackoverflow,stackoverflow_tags}_examples``
 (docs/FIDELITY.md, "Reddi et al.'s natural-client tasks").
 """
 

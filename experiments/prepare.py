@@ -18,9 +18,9 @@ dataset: its zip is downloaded and extracted with the standard library (no extra
 datasets with natural clients (``emnist``, ``shakespeare``, ``stackoverflow``,
 ``cifar100_pachinko``; ``fedorth.data.natural``) are TFF's ``.tar.bz2`` archives of HDF5 files
 (``fed_emnist_train.h5``, ...), downloaded and unpacked into ``DIR`` with the standard library
-(``stackoverflow`` also fetches ``stackoverflow.word_count``); runs then read them offline (with
-the ``tff`` extra, h5py). The embedded datasets (``digits``, ``synthetic``, ``zipf_sentiment``)
-need nothing.
+(``stackoverflow`` also fetches ``stackoverflow.word_count`` and ``stackoverflow.tag_count``,
+which ``stackoverflow_tags`` reads); runs then read them offline (with the ``tff`` extra, h5py).
+The embedded datasets (``digits``, ``synthetic``, ``zipf_sentiment``) need nothing.
 
 ``DIR`` defaults to ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``, where runs look
 (``config.data.data_dir``). A dataset already prepared there is left alone. A download that fails
@@ -155,18 +155,21 @@ def _download(name: str, url: str, target: pathlib.Path, data_dir: pathlib.Path)
 def prepare_natural(name: str, data_dir: pathlib.Path, url: str | None = None) -> str:
     """Downloads TFF's archive of dataset ``name`` (``url``: a mirror or a ``file://`` copy)
     and unpacks its HDF5 files into ``data_dir``, where ``fedorth.data.natural`` reads them;
-    for ``stackoverflow`` also ``stackoverflow.word_count.tar.bz2`` from the same folder."""
+    for ``stackoverflow`` also ``stackoverflow.word_count.tar.bz2`` and
+    ``stackoverflow.tag_count.tar.bz2`` (tag prediction's labels) from the same folder."""
     from fedorth.data import natural
 
     source = natural.SOURCES[name]
     files = [data_dir / f for f in source.tff_files]
-    extra = name == "stackoverflow" and not (data_dir / natural.STACKOVERFLOW_WORD_COUNT).is_file()
-    if all(f.is_file() for f in files) and not extra:
+    extras = []
+    if name == "stackoverflow":
+        extras = [f for f in natural.STACKOVERFLOW_COUNT_FILES if not (data_dir / f).is_file()]
+    if all(f.is_file() for f in files) and not extras:
         return f"{name} is already prepared in {data_dir}."
     data_dir.mkdir(parents=True, exist_ok=True)
-    archives = [url or source.tff_url]
-    if extra:  # from beside the archive: TFF's bucket, or a mirror of it
-        archives.append(archives[0].rsplit("/", 1)[0] + "/stackoverflow.word_count.tar.bz2")
+    archives = [url or source.tff_url] if not all(f.is_file() for f in files) else []
+    beside = (url or source.tff_url).rsplit("/", 1)[0]  # TFF's bucket, or a mirror of it
+    archives += [f"{beside}/{extra}.tar.bz2" for extra in extras]
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         for address in archives:
             archive = pathlib.Path(tmp) / address.rsplit("/", 1)[-1]
@@ -184,7 +187,8 @@ def prepare_natural(name: str, data_dir: pathlib.Path, url: str | None = None) -
                 ) from e
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise PrepareError(f"{archives[0]} held no {', '.join(missing)}; fetch TFF's archive.")
+        address = url or source.tff_url
+        raise PrepareError(f"{address} held no {', '.join(missing)}; fetch TFF's archive.")
     return f"{name} prepared in {data_dir}."
 
 
@@ -224,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--url",
         default=None,
         help="the archive to fetch: a mirror or a local file:// (default: tiny_imagenet's zip, "
-        "TFF's archive of a natural-client dataset; stackoverflow's word counts are fetched "
-        "from beside it)",
+        "TFF's archive of a natural-client dataset; stackoverflow's word and tag counts are "
+        "fetched from beside it)",
     )
     args = parser.parse_args(argv)
     from absl import logging

@@ -276,6 +276,7 @@ DATASET_SOURCES = {
     "emnist": "EMNIST-62 by writer, 3,400 clients (TFF's .h5 or FedJAX's .sqlite)",
     "shakespeare": "Shakespeare next character by role, 715 clients (TFF .h5, FedJAX .sqlite)",
     "stackoverflow": "StackOverflow next word by user, 342,477 clients (TFF .h5, FedJAX .sqlite)",
+    "stackoverflow_tags": "StackOverflow tags from a bag of words by user, the same files",
     "cifar100_pachinko": "CIFAR-100 by Pachinko allocation, 500 clients (TFF .h5, FedJAX .sqlite)",
     "parquet": "parquet files with a client column (flwr-datasets, Hugging Face hub)",
 }

@@ -253,15 +253,25 @@ STACK = {
 }
 
 
+STACK_TITLES = {"00000001": ["sort  a list", "sorted"], "00000002": ["in-place sort"]}
+STACK_TAGS = {"00000001": ["python|list|sorting", "python"], "00000002": ["list|c++|python"]}
+# TFF's stackoverflow.tag_count: a JSON object tag -> users, read most users first.
+STACK_TAG_COUNT = {"sorting": 2, "list": 7, "python": 9, "c++": 7}
+
+
 def stack_clients():
     return {
         cid: {
             "tokens": np.array([t.encode() for t in texts], dtype=object),
-            "title": np.array([b"t"] * len(texts), dtype=object),
-            "tags": np.array([b"python|list"] * len(texts), dtype=object),
+            "title": np.array([t.encode() for t in STACK_TITLES[cid]], dtype=object),
+            "tags": np.array([t.encode() for t in STACK_TAGS[cid]], dtype=object),
         }
         for cid, texts in STACK.items()
     }
+
+
+def write_stack_tag_count(folder: pathlib.Path) -> None:
+    (folder / "stackoverflow.tag_count").write_text(json.dumps(STACK_TAG_COUNT))
 
 
 def test_stackoverflow_word_ids_follow_tff(tmp_path):
@@ -318,6 +328,76 @@ def test_stackoverflow_vocabulary_without_the_count_file_counts_users(tmp_path, 
         vocab = natural.stackoverflow_vocab(tmp_path, f, list(STACK), 3)
     # Used by both users: "(", ")", "list", "sort"; ties alphabetically.
     assert vocab == {"(": 1, ")": 2, "list": 3}
+
+
+def tag_reference(vocab: list[str], tags: list[str]):
+    """TFF's tag_prediction_preprocessing.build_to_ids_fn transcribed: tokens and title joined
+    by a space and split on whitespace, one-hot over the words and one out-of-vocabulary id,
+    mean over the words, the last column dropped; tags one-hot summed, the last dropped."""
+    texts = [
+        (t, title, tag)
+        for cid in sorted(STACK)
+        for t, title, tag in zip(STACK[cid], STACK_TITLES[cid], STACK_TAGS[cid], strict=True)
+    ]
+    xs, ys = [], []
+    for text, title, tag in texts:
+        ids = [vocab.index(w) if w in vocab else len(vocab) for w in f"{text} {title}".split()]
+        xs.append(np.eye(len(vocab) + 1)[ids].mean(axis=0)[: len(vocab)])
+        labels = [tags.index(t) if t in tags else len(tags) for t in tag.split("|")]
+        ys.append(np.eye(len(tags) + 1)[labels].sum(axis=0)[: len(tags)])
+    return np.array(xs), np.array(ys)
+
+
+@needs_h5py
+def test_stackoverflow_tags_bag_of_words_and_labels_follow_tff(tmp_path):
+    tff, fedjax = tmp_path / "tff", tmp_path / "fedjax"
+    for folder, write in ((tff, write_tff_h5), (fedjax, write_fedjax_sqlite)):
+        folder.mkdir()
+        for split in ("train", "test"):
+            write(folder / f"stackoverflow_{split}.{'h5' if folder == tff else 'sqlite'}",
+                  stack_clients())  # fmt: skip
+        (folder / "stackoverflow.word_count").write_text("list 9\nsort 8\n( 7\n) 6\nthe 5\n")
+        write_stack_tag_count(folder)
+    a = natural.load_stackoverflow_tags(data_dir=tff, vocab_size=4, tag_vocab_size=3)
+    b = natural.load_stackoverflow_tags(data_dir=fedjax, vocab_size=4, tag_vocab_size=3)
+    # Tags by users, ties in the file's order: python, list, c++ ("sorting" is dropped).
+    x, y = tag_reference(["list", "sort", "(", ")"], ["python", "list", "c++"])
+    for loaded in (a, b):
+        np.testing.assert_allclose(loaded[0], x, rtol=1e-6)
+        np.testing.assert_array_equal(loaded[1], y)
+        np.testing.assert_allclose(loaded[2], x, rtol=1e-6)  # the same clients as test file
+        assert loaded[0].dtype == loaded[1].dtype == np.float32
+        meta = loaded[4]
+        assert (meta["task"], meta["num_classes"], meta["name"]) == (
+            "multilabel", 3, "stackoverflow_tags",
+        )  # fmt: skip
+    # Wider vocabularies than the files hold keep the configured shapes, zero-filled.
+    wide = natural.load_stackoverflow_tags(data_dir=fedjax, vocab_size=7, tag_vocab_size=6)
+    assert wide[0].shape == (3, 7) and wide[1].shape == (3, 6)
+    x, y = tag_reference(["list", "sort", "(", ")", "the"], ["python", "list", "c++", "sorting"])
+    np.testing.assert_allclose(wide[0][:, :5], x, rtol=1e-6)
+    np.testing.assert_array_equal(wide[1][:, :4], y)
+    assert not wide[0][:, 5:].any() and not wide[1][:, 4:].any()
+
+
+def test_stackoverflow_tags_without_the_tag_counts_is_one_line(tmp_path):
+    for split in ("train", "test"):
+        write_fedjax_sqlite(tmp_path / f"stackoverflow_{split}.sqlite", stack_clients())
+    with pytest.raises(data_lib.DatasetNotPreparedError) as info:
+        natural.load_stackoverflow_tags(data_dir=tmp_path)
+    message = str(info.value)
+    assert f"experiments.prepare stackoverflow --data_dir={tmp_path}" in message
+    assert "stackoverflow.tag_count.tar.bz2" in message
+    documented("`data.name='stackoverflow_tags'` without `stackoverflow.tag_count`", message,
+               tmp_path)  # fmt: skip
+    (tmp_path / "stackoverflow.tag_count").write_text("python 9\n")  # not TFF's JSON
+    with pytest.raises(data_lib.DatasetNotPreparedError) as info:
+        natural.load_stackoverflow_tags(data_dir=tmp_path)
+    documented("a `stackoverflow.tag_count` that is not a JSON object", str(info.value), tmp_path)
+    write_stack_tag_count(tmp_path)
+    with pytest.raises(data_lib.DataConfigError) as info:
+        natural.load_stackoverflow_tags(data_dir=tmp_path, tag_vocab_size=0)
+    documented("`data.dataset_kwargs.tag_vocab_size=0`", str(info.value), tmp_path)
 
 
 @needs_h5py
@@ -607,9 +687,11 @@ def test_prepare_stackoverflow_fetches_the_word_counts_from_beside_the_archive(t
     for split in ("train", "held_out", "test"):
         write_tff_h5(packed / f"stackoverflow_{split}.h5", fixed)
     (packed / "stackoverflow.word_count").write_text("list 9\nsort 8\n")
+    write_stack_tag_count(packed)
     for archive, names in (
         ("stackoverflow.tar.bz2", [f"stackoverflow_{s}.h5" for s in ("train", "held_out", "test")]),
         ("stackoverflow.word_count.tar.bz2", ["stackoverflow.word_count"]),
+        ("stackoverflow.tag_count.tar.bz2", ["stackoverflow.tag_count"]),
     ):
         with tarfile.open(mirror / archive, "w:bz2") as tar:
             for name in names:
@@ -623,6 +705,16 @@ def test_prepare_stackoverflow_fetches_the_word_counts_from_beside_the_archive(t
     # The vocabulary is the word-count file's: "how do i sort" -> bos 4, oov 3 (x3), sort 2.
     assert x[0].tolist() == [4, 3, 3, 3, 2]
     assert (target / "stackoverflow_held_out.h5").is_file()
+    # The tag counts too, for tag prediction: "python" (9 users) is label 0.
+    y = natural.load_stackoverflow_tags(data_dir=target, vocab_size=2, tag_vocab_size=2)[1]
+    assert y[:, 0].all()
+    # A folder holding the clients' files fetches only a count file it lacks.
+    (target / "stackoverflow.tag_count").unlink()
+    (mirror / "stackoverflow.tar.bz2").unlink()
+    assert prepare_lib.prepare("stackoverflow", target, url=url).endswith(
+        "prepared in " + str(target) + "."
+    )
+    assert json.loads((target / "stackoverflow.tag_count").read_text()) == STACK_TAG_COUNT
 
 
 # ---------------------------------------------------------------- per-client evaluation, CLI

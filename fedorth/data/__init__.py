@@ -13,8 +13,8 @@ Datasets by name (:func:`load_dataset`): ``digits`` and ``synthetic`` (embedded,
 the TFDS/folder loaders of :mod:`fedorth.data.tfds` (``mnist``, ``fashion_mnist``, ``cifar10``,
 ``cifar100``, ``glue/sst2``, ``sentiment140``, ``yelp_polarity_reviews``, ``c4``,
 ``tiny_imagenet``), and the datasets with natural clients of :mod:`fedorth.data.natural`
-(``emnist``, ``shakespeare``, ``stackoverflow``, ``cifar100_pachinko``, ``parquet``), read from
-TFF's HDF5, FedJAX's SQLite or parquet files.
+(``emnist``, ``shakespeare``, ``stackoverflow``, ``stackoverflow_tags``, ``cifar100_pachinko``,
+``parquet``), read from TFF's HDF5, FedJAX's SQLite or parquet files.
 """
 
 from __future__ import annotations

@@ -37,6 +37,13 @@ The datasets (``data.name``), each with ``data.partition='natural'``:
   ``vocab_size`` words of ``stackoverflow.word_count`` in the data folder (TFF's file: words by
   decreasing number of users), or, without that file, the words used by the most loaded training
   clients (ties alphabetically).
+* ``stackoverflow_tags``: tag prediction by user, from the same files (TFF's
+  ``tag_prediction_preprocessing``): ``tokens`` and ``title`` joined by a space and split on
+  whitespace; ``x`` is each word's share of the example's words (out-of-vocabulary words
+  counted in the total), over the ``vocab_size`` words of ``stackoverflow.word_count`` (float32
+  ``[M, 10000]``, 40 KB an example); ``y`` the multi-hot of the ``|``-separated ``tags`` over the
+  ``tag_vocab_size`` tags of TFF's ``stackoverflow.tag_count`` (JSON tag → users, most users
+  first; float32 ``[M, 500]``), out-of-vocabulary tags dropped.
 * ``cifar100_pachinko``: CIFAR-100 in TFF's Pachinko partition (500 clients of 100 images).
   ``image`` uint8 ``[n, 32, 32, 3]`` normalized as ``cifar100`` (``IMAGE_STATS``), fine ``label``.
 * ``parquet``: any parquet files with a client column (``client_column``), an input column
@@ -59,6 +66,7 @@ from __future__ import annotations
 import functools
 import importlib
 import io
+import json
 import pathlib
 import sqlite3
 import zlib
@@ -86,10 +94,14 @@ __all__ = [
     "load_parquet",
     "load_shakespeare",
     "load_stackoverflow",
+    "load_stackoverflow_tags",
     "open_client_file",
     "read_clients",
     "shakespeare_windows",
+    "stackoverflow_bag_of_words",
     "stackoverflow_ids",
+    "stackoverflow_tag_vocab",
+    "stackoverflow_tags_multi_hot",
     "stackoverflow_vocab",
 ]
 
@@ -514,6 +526,10 @@ SOURCES: dict[str, Source] = {
 }
 STACKOVERFLOW_WORD_COUNT = "stackoverflow.word_count"
 STACKOVERFLOW_WORD_COUNT_URL = _TFF + "stackoverflow.word_count.tar.bz2"
+STACKOVERFLOW_TAG_COUNT = "stackoverflow.tag_count"
+STACKOVERFLOW_TAG_COUNT_URL = _TFF + "stackoverflow.tag_count.tar.bz2"
+# The files TFF keeps beside stackoverflow.tar.bz2, fetched by ``experiments.prepare``.
+STACKOVERFLOW_COUNT_FILES = (STACKOVERFLOW_WORD_COUNT, STACKOVERFLOW_TAG_COUNT)
 
 
 def dataset_files(name: str, data_dir) -> tuple[pathlib.Path, pathlib.Path]:
@@ -648,6 +664,86 @@ def stackoverflow_vocab(data_dir, train: ClientFile, clients: Sequence[str], voc
         ranked = sorted(users.items(), key=lambda item: (-item[1], item[0]))
         words = [word for word, _ in ranked[:vocab_size]]
     return {word: i + 1 for i, word in enumerate(words)}
+
+
+STACKOVERFLOW_TAG_VOCAB_SIZE = 500  # TFF's DEFAULT_TAG_VOCAB_SIZE (Reddi et al. 2021)
+
+
+def stackoverflow_tag_vocab(data_dir, tag_vocab_size: int) -> dict[str, int]:
+    """The ``tag_vocab_size`` tags of TFF's ``stackoverflow.tag_count`` (a JSON object tag →
+    users), most users first (ties in the file's order, as TFF's ``load_tag_counts`` sorts),
+    each mapped to its label index ``0..tag_vocab_size-1``.
+
+    Raises:
+      DatasetNotPreparedError: the file is missing or not such a JSON object (one line naming
+        the folder and ``experiments.prepare``).
+    """
+    directory = _resolve_data_dir(data_dir)
+    path = directory / STACKOVERFLOW_TAG_COUNT
+    fix = (
+        f"run `python -m experiments.prepare stackoverflow --data_dir={directory}` once with "
+        f"network access, or fetch {STACKOVERFLOW_TAG_COUNT_URL} and unpack it into {directory}."
+    )
+    if not path.is_file():
+        raise DatasetNotPreparedError(
+            f"data.name='stackoverflow_tags' reads its labels from {STACKOVERFLOW_TAG_COUNT}, "
+            f"which is not in data.data_dir={str(directory)!r}: {fix}"
+        )
+    try:
+        counts = json.loads(path.read_text())
+        ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise DatasetNotPreparedError(
+            f"{path} is not TFF's tag counts, a JSON object tag -> count ({e}): replace it "
+            f"with TFF's, fetched from {STACKOVERFLOW_TAG_COUNT_URL} and unpacked into {directory}."
+        ) from None
+    return {tag: i for i, (tag, _) in enumerate(ranked[:tag_vocab_size])}
+
+
+def stackoverflow_bag_of_words(
+    tokens: Iterable[bytes],
+    titles: Iterable[bytes],
+    vocab: dict[str, int],
+    size: int | None = None,
+) -> np.ndarray:
+    """TFF's StackOverflow tag-prediction inputs: ``[M, size]`` float32 (``size`` defaults to
+    ``V = len(vocab)``; the columns past ``V`` of a shorter vocabulary stay 0).
+
+    ``vocab`` maps a word to ``1..V`` (:func:`stackoverflow_vocab`). Each example's ``tokens``
+    and ``title`` are joined by a space and split on whitespace; feature ``v`` is the number of
+    the words that are word ``v``, divided by the number of words, out-of-vocabulary ones
+    included (TFF's ``tag_prediction_preprocessing.build_to_ids_fn``: one-hot over V + 1 ids,
+    mean over the words, the out-of-vocabulary column dropped). An example without words has
+    zero features (TFF's mean over no words is NaN).
+    """
+    words_known = len(vocab)
+    size = words_known if size is None else int(size)
+    tokens = list(tokens)
+    out = np.zeros((len(tokens), size), np.float32)
+    for row, (text, title) in enumerate(zip(tokens, titles, strict=True)):
+        words = f"{_as_str(text)} {_as_str(title)}".split()
+        ids = np.fromiter((vocab.get(word, words_known + 1) - 1 for word in words), np.int64)
+        if ids.size:
+            counts = np.bincount(ids, minlength=words_known + 1)[:words_known]
+            out[row, :words_known] = (counts / np.float64(ids.size)).astype(np.float32)
+    return out
+
+
+def stackoverflow_tags_multi_hot(
+    tags: Iterable[bytes], tag_vocab: dict[str, int], size: int | None = None
+) -> np.ndarray:
+    """TFF's StackOverflow tag-prediction labels: ``[M, size]`` float32 (``size`` defaults to
+    ``T = len(tag_vocab)``), each example's ``|``-separated tags summed as one-hot rows over
+    ``tag_vocab`` (indices ``0..T-1``); tags outside it are dropped (TFF's
+    ``build_to_ids_fn``)."""
+    tags = list(tags)
+    out = np.zeros((len(tags), len(tag_vocab) if size is None else int(size)), np.float32)
+    for row, value in enumerate(tags):
+        for tag in _as_str(value).split("|"):
+            index = tag_vocab.get(tag)
+            if index is not None:
+                out[row, index] += 1.0
+    return out
 
 
 def _cifar100_examples(features):
@@ -938,18 +1034,95 @@ def load_stackoverflow(
         Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
         with_vocab,
     )
+    return _with_held_out(out, data_dir, converters[0], num_held_out_clients)
+
+
+def _with_held_out(out, data_dir, to_examples, num_held_out_clients: int):
+    """``out`` with the first ``num_held_out_clients`` users of StackOverflow's held-out file
+    pooled as the validation split (``meta["x_val"]``, ``meta["y_val"]``)."""
     if num_held_out_clients:
         path = _held_out_file(data_dir)
         with open_client_file(path) as held_out_file:
             held = read_clients(
                 held_out_file,
-                converters[0],
+                to_examples,
                 num_clients=num_held_out_clients,
                 skip_empty=True,
                 what="data.dataset_kwargs.num_held_out_clients",
             )
         out[4].update(x_val=held.x, y_val=held.y)
     return out
+
+
+@_natural
+def load_stackoverflow_tags(
+    *,
+    data_dir=None,
+    seed: int = 0,
+    num_clients: int | None = None,
+    vocab_size: int = STACKOVERFLOW_VOCAB_SIZE,
+    tag_vocab_size: int = STACKOVERFLOW_TAG_VOCAB_SIZE,
+    num_test_clients: int | None = None,
+    max_test: int | None = None,
+    stream: bool | str = False,
+    num_held_out_clients: int = 0,
+):
+    """Federated StackOverflow by user, tag prediction from a bag of words (TFF's
+    ``create_tag_prediction_task``; Reddi et al. 2021, "Adaptive Federated Optimization",
+    Sec. 5 and App. C, "Stack Overflow LR"). Reads the files of ``stackoverflow``.
+
+    Args:
+      data_dir: the folder holding the files, ``stackoverflow.word_count`` (the vocabulary;
+        without it, the loaded clients' most used words) and ``stackoverflow.tag_count``.
+      seed: NumPy seed of the optional test subsample.
+      num_clients: the first ``num_clients`` users in the file's order.
+      vocab_size: the most frequent words, the input features (TFF's 10,000).
+      tag_vocab_size: the most frequent tags, the labels (TFF's 500).
+      num_test_clients: pool only the first this many test clients (None: all).
+      max_test: keep a uniform random subset of this many pooled test examples.
+      stream: read the training clients per round instead of loading them
+        (``fedorth.data.stream``; ``"auto"``: when their examples exceed 4 GiB).
+      num_held_out_clients: the first this many users of ``stackoverflow_held_out.h5`` (or
+        ``.sqlite``) pooled as the validation split; 0: none.
+
+    Returns:
+      ``(x_train, y_train, x_test, y_test, meta)``: float32 ``[M, vocab_size]`` word
+      frequencies (:func:`stackoverflow_bag_of_words`), float32 ``[M, tag_vocab_size]``
+      multi-hot tags (:func:`stackoverflow_tags_multi_hot`); ``meta["task"] = "multilabel"``.
+    """
+    for key, value in (("vocab_size", vocab_size), ("tag_vocab_size", tag_vocab_size)):
+        if int(value) < 1:
+            raise DataConfigError(
+                f"data.dataset_kwargs.{key}={value} must be >= 1 (TFF's: 10,000 words, 500 tags)."
+            )
+    dataset_files("stackoverflow", data_dir)  # the clients' files are named first when missing
+    tag_vocab = stackoverflow_tag_vocab(data_dir, tag_vocab_size)
+    converters = []
+
+    def with_vocab(train_file, clients):
+        vocab = stackoverflow_vocab(data_dir, train_file, clients, vocab_size)
+
+        def to_examples(features):
+            x = stackoverflow_bag_of_words(features["tokens"], features["title"], vocab, vocab_size)
+            return x, stackoverflow_tags_multi_hot(features["tags"], tag_vocab, tag_vocab_size)
+
+        converters.append(to_examples)
+        return to_examples
+
+    meta = {
+        "name": "stackoverflow_tags",
+        "num_classes": int(tag_vocab_size),
+        "task": "multilabel",
+        "input_shape": (vocab_size,),
+    }
+    out = _load(
+        "stackoverflow",
+        None,
+        meta,
+        Selection(data_dir, seed, num_clients, num_test_clients, max_test, stream),
+        with_vocab,
+    )
+    return _with_held_out(out, data_dir, converters[0], num_held_out_clients)
 
 
 def _held_out_file(data_dir) -> pathlib.Path:
@@ -1121,6 +1294,7 @@ LOADERS: dict[str, Callable[..., Any]] = {
     "emnist": load_emnist,
     "shakespeare": load_shakespeare,
     "stackoverflow": load_stackoverflow,
+    "stackoverflow_tags": load_stackoverflow_tags,
     "cifar100_pachinko": load_cifar100_pachinko,
     "parquet": load_parquet,
 }

@@ -33,7 +33,7 @@ from fedorth.models.cnn import cnn
 from fedorth.models.lenet import lenet5
 from fedorth.models.llama import llama
 from fedorth.models.mlp import mlp
-from fedorth.models.reddi import emnist_cnn, lstm_lm
+from fedorth.models.reddi import emnist_cnn, lstm_lm, multilabel_lr
 from fedorth.models.resnet import resnet18
 from fedorth.models.rnn import rnn
 from fedorth.models.roberta import roberta_base
@@ -56,6 +56,7 @@ MODELS: dict[str, Callable[..., Model]] = {
     "roberta_base": roberta_base,
     "emnist_cnn": emnist_cnn,
     "lstm_lm": lstm_lm,
+    "multilabel_lr": multilabel_lr,
 }
 
 

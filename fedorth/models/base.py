@@ -19,7 +19,11 @@ import optax
 
 from fedorth.models.layers import check_choice
 
-TASKS = ("classification", "lm")
+TASKS = ("classification", "lm", "multilabel")
+
+# Labels ranked per example by the multi-label recall (Reddi et al. 2021 report recall@5 on
+# StackOverflow tag prediction, TFF's tf.keras.metrics.Recall(top_k=5)).
+RECALL_TOP_K = 5
 
 PyTree = Any
 
@@ -54,13 +58,17 @@ class Model:
     """A Flax module with the train/eval functions of its task.
 
     For `task="classification"`: `batch = {"x": inputs, "y": int labels [B]}` and the loss is the
-    mean softmax cross-entropy. For `task="lm"`: `batch = {"x": tokens [B, T]}` and the loss is the
-    mean next-token cross-entropy, ℓ = mean_{b, t<T} CE(logits(x[b, :t+1]), x[b, t+1]); the model
-    reads `x[:, :-1]` and predicts `x[:, 1:]`.
+    mean softmax cross-entropy. For `task="multilabel"`: `batch = {"x": inputs, "y": multi-hot
+    labels [B, L]}`, one sigmoid per label; an example's loss is the mean over its `L` labels
+    of the binary cross-entropy (Keras's `BinaryCrossentropy`, which TFF's StackOverflow tag
+    prediction uses), and the metric is recall@5 (:data:`RECALL_TOP_K`). For `task="lm"`:
+    `batch = {"x": tokens [B, T]}` and the loss is the mean next-token cross-entropy,
+    ℓ = mean_{b, t<T} CE(logits(x[b, :t+1]), x[b, t+1]); the model reads `x[:, :-1]` and
+    predicts `x[:, 1:]`.
 
     Attributes:
       module: the `flax.linen.Module`, called as `module.apply(variables, x, train=...)`.
-      task: `"classification"` or `"lm"`.
+      task: `"classification"`, `"lm"` or `"multilabel"`.
       pad_id: for `"lm"`, a token id left out of the accuracy where it is the target (the
         padding of TFF's Shakespeare and StackOverflow windows: TFF reports
         `MaskedCategoricalAccuracy(masked_tokens=[pad])`); the loss still counts it, as TFF's
@@ -128,7 +136,8 @@ class Model:
           key: PRNG key for dropout (may be None for models without dropout).
 
         Returns:
-          `(loss, (new_model_state, metrics))` with `metrics = {"loss", "accuracy"}` scalars.
+          `(loss, (new_model_state, metrics))` with `metrics = {"loss", "accuracy"}` scalars
+          (`{"loss", "recall_at_5"}` for `"multilabel"`).
         """
         inputs, targets = self._inputs_targets(batch)
         variables = {"params": params, **model_state}
@@ -142,6 +151,12 @@ class Model:
         else:
             logits = self.module.apply(variables, inputs, train=True, rngs=rngs)
             new_state = model_state
+        if self.task == "multilabel":
+            losses, hits, positives = _multilabel(logits, targets)
+            mask = _example_mask(batch, losses.shape)
+            loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            recall = jnp.sum(hits * mask) / jnp.maximum(jnp.sum(positives * mask), 1.0)
+            return loss, (new_state, {"loss": loss, "recall_at_5": recall})
         losses, correct = _losses(logits, targets)
         mask = _example_mask(batch, losses.shape)
         count = jnp.sum(mask)
@@ -171,10 +186,22 @@ class Model:
           `{"loss_sum": Σ mask·ℓ, "correct": Σ mask·[argmax = y], "count": Σ mask}` float32
           scalars; for `"lm"` the sums run over all predicted tokens (count = B·(T−1) unmasked).
           With `pad_id`, `"correct"` leaves out the padded targets and `"accuracy_count"`
-          counts the others (accuracy = correct / accuracy_count).
+          counts the others (accuracy = correct / accuracy_count). For `"multilabel"`:
+          `{"loss_sum", "count", "recall_hits", "recall_count"}`, the true labels among each
+          example's top 5 and the true labels (recall@5 = recall_hits / recall_count, pooled
+          over the examples as Keras's `Recall(top_k=5)`).
         """
         inputs, targets = self._inputs_targets(batch)
         logits = self.predict_fn(params, model_state, inputs)
+        if self.task == "multilabel":
+            losses, hits, positives = _multilabel(logits, targets)
+            mask = _example_mask(batch, losses.shape)
+            return {
+                "loss_sum": jnp.sum(losses * mask),
+                "count": jnp.sum(mask),
+                "recall_hits": jnp.sum(hits * mask),
+                "recall_count": jnp.sum(positives * mask),
+            }
         losses, correct = _losses(logits, targets)
         mask = _example_mask(batch, losses.shape)
         out = {
@@ -194,3 +221,15 @@ def _losses(logits: jnp.ndarray, targets: jnp.ndarray) -> tuple[jnp.ndarray, jnp
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(losses.dtype)
     return losses, correct
+
+
+def _multilabel(logits: jnp.ndarray, targets: jnp.ndarray):
+    """Per-example mean binary cross-entropy over the labels, and recall@k's per-example
+    counts: true labels among the ``k`` largest logits, and true labels (``targets > 0``)."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    targets = targets.astype(logits.dtype)
+    losses = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, targets), axis=-1)
+    positive = (targets > 0).astype(logits.dtype)
+    _, top = jax.lax.top_k(logits, min(RECALL_TOP_K, logits.shape[-1]))  # ties: lower index
+    hits = jnp.sum(jnp.take_along_axis(positive, top, axis=-1), axis=-1)
+    return losses, hits, jnp.sum(positive, axis=-1)

@@ -1,5 +1,6 @@
 """The models of Reddi et al. 2021 ("Adaptive Federated Optimization", Appendix C): the EMNIST
-character CNN and the recurrent language models of Shakespeare and StackOverflow.
+character CNN, the recurrent language models of Shakespeare and StackOverflow, and the logistic
+regression of StackOverflow tag prediction.
 
 * ``emnist_cnn``: conv 3x3 32 (ReLU), conv 3x3 64 (ReLU), max-pool 2x2, dropout 0.25, dense 128
   (ReLU), dropout 0.5, dense 62; VALID convolutions, so 28x28 inputs flatten to 12x12x64:
@@ -12,6 +13,10 @@ character CNN and the recurrent language models of Shakespeare and StackOverflow
   projection=96`` over 10,004 word ids: ``960,384 + 2,055,560 + 64,416 + 970,388 =
   4,050,748``. An LSTM layer of width ``h`` on inputs of width ``i`` has ``4 (h (i + h) + h)``
   parameters, one bias per gate as Keras's.
+* ``multilabel_lr``: multi-label logistic regression, one dense layer from the input features to
+  one sigmoid per label (``task="multilabel"``; TFF's ``Dense(500, activation="sigmoid")``). On
+  StackOverflow tags, 10,000 bag-of-words features to 500 tags: ``5,000,000 + 500 = 5,000,500``
+  parameters.
 """
 
 from collections.abc import Sequence
@@ -30,6 +35,7 @@ from fedorth.models.layers import (
     float_logits,
     max_pool,
 )
+from fedorth.models.mlp import MLP
 
 
 class EmnistCNN(nn.Module):
@@ -131,3 +137,17 @@ def lstm_lm(
         compute_dtype(dtype),
     )
     return Model(module, task="lm")
+
+
+def multilabel_lr(*, num_classes: int = 500, dtype: str = "float32") -> Model:
+    """The ``multilabel_lr`` model: ``logits = W x + b`` with one sigmoid per label (module
+    docstring); the defaults are Reddi et al.'s StackOverflow tag model.
+
+    Args:
+      num_classes: the number of labels (the data's ``num_classes``: 500 tags).
+      dtype: ``"float32"`` or ``"bfloat16"``.
+
+    Returns:
+      A multi-label ``Model``: mean sigmoid cross-entropy over the labels, recall@5.
+    """
+    return Model(MLP((), int(num_classes), compute_dtype(dtype)), task="multilabel")

@@ -424,6 +424,10 @@ def input_spec(
         seq_len = int(_loader_default(natural.load_stackoverflow, "sequence_length", kwargs))
         vocab = int(_loader_default(natural.load_stackoverflow, "vocab_size", kwargs))
         return (seq_len + 1,), jnp.int32, vocab + 4
+    if name == "stackoverflow_tags":
+        words = int(_loader_default(natural.load_stackoverflow_tags, "vocab_size", kwargs))
+        tags = int(_loader_default(natural.load_stackoverflow_tags, "tag_vocab_size", kwargs))
+        return (words,), jnp.float32, tags
     if name in data_lib.glue.LOADERS and (name != "glue/sst2" or kwargs.get("tokenizer")):
         task = data_lib.glue.GLUE_TASKS[name.split("/")[1]]
         max_len = int(_loader_default(data_lib.glue.load_glue, "max_len", kwargs))
@@ -443,7 +447,15 @@ def input_spec(
         classes = int(_loader_default(data_lib.load_synthetic, "num_classes", kwargs))
         return (dim,), jnp.float32, classes
     valid = sorted(
-        [*IMAGE_SHAPES, *_TEXT_DATASETS, "c4", "synthetic", "shakespeare", "stackoverflow"]
+        [
+            *IMAGE_SHAPES,
+            *_TEXT_DATASETS,
+            "c4",
+            "synthetic",
+            "shakespeare",
+            "stackoverflow",
+            "stackoverflow_tags",
+        ]
     )
     raise ValueError(f"data.name={name!r} has no known input shape; valid: {valid}.")
 
@@ -673,7 +685,8 @@ def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experime
 
 
 def make_eval_fn(experiment: Experiment):
-    """``eval_fn(params, model_state) -> {test_loss, test_accuracy[, test_auc]}`` on the test split.
+    """``eval_fn(params, model_state) -> {test_loss, test_accuracy[, test_auc]}`` on the test split
+    (``{test_loss, test_recall_at_5}`` for a multi-label model).
 
     ``test_auc`` (exact ROC AUC) appears when the model's ``eval_fn`` returns per-example scores
     under ``"per_example"`` (``fedorth.models.auc``). With a validation split
@@ -710,6 +723,8 @@ def make_eval_fn(experiment: Experiment):
         if "correct" in sums:  # a model with pad_id counts the accuracy over unpadded targets
             scored = jnp.maximum(sums.get("accuracy_count", sums["count"]), 1.0)
             out["test_accuracy"] = sums["correct"] / scored
+        if "recall_hits" in sums:  # a multi-label model: recall@5 pooled over the examples
+            out["test_recall_at_5"] = sums["recall_hits"] / jnp.maximum(sums["recall_count"], 1.0)
         if per_example is not None:
             out["per_example"] = per_example
         return out
@@ -743,7 +758,9 @@ def make_eval_fn(experiment: Experiment):
     return evaluate
 
 
-PER_CLIENT_DATASETS = "emnist, shakespeare, stackoverflow, cifar100_pachinko, parquet"
+PER_CLIENT_DATASETS = (
+    "emnist, shakespeare, stackoverflow, stackoverflow_tags, cifar100_pachinko, parquet"
+)
 
 
 def make_client_sums_fn(experiment: Experiment, batch_size: int, resize_batch):
@@ -765,6 +782,8 @@ def make_client_sums_fn(experiment: Experiment, batch_size: int, resize_batch):
     keys = ("loss_sum", "correct", "count")
     if getattr(model, "pad_id", None) is not None and model.task == "lm":
         keys += ("accuracy_count",)
+    if getattr(model, "task", None) == "multilabel":
+        keys = ("loss_sum", "count", "recall_hits", "recall_count")
 
     @jax.jit
     def sums(params, model_state, data):
@@ -805,14 +824,20 @@ def client_metrics(sums: dict[str, Any]) -> dict[str, float]:
     examples are left out); each is summarized by its unweighted mean
     over clients, standard deviation (``ddof=0``), and 10th and 90th percentiles:
     ``test_loss_client_mean``, ``test_loss_client_std``, ``test_loss_client_p10``,
-    ``test_loss_client_p90`` and the same for ``test_accuracy_client_*``, plus
+    ``test_loss_client_p90`` and the same for ``test_accuracy_client_*`` (a multi-label model's
+    ``recall_hits[c] / recall_count[c]``: ``test_recall_at_5_client_*``), plus
     ``test_clients`` (how many clients were evaluated).
     """
     count = np.asarray(sums["count"], np.float64)
     present = count > 0
-    scored = np.maximum(np.asarray(sums.get("accuracy_count", count), np.float64), 1.0)
+    if "recall_hits" in sums:  # a multi-label model: each client's recall@5
+        recalled = np.maximum(np.asarray(sums["recall_count"], np.float64), 1.0)
+        score = ("recall_at_5", "recall_hits", recalled)
+    else:
+        scored = np.maximum(np.asarray(sums.get("accuracy_count", count), np.float64), 1.0)
+        score = ("accuracy", "correct", scored)
     out = {"test_clients": float(present.sum())}
-    for name, key, denominator in (("loss", "loss_sum", count), ("accuracy", "correct", scored)):
+    for name, key, denominator in (("loss", "loss_sum", count), score):
         values = np.asarray(sums[key], np.float64)[present] / denominator[present]
         out[f"test_{name}_client_mean"] = float(values.mean())
         out[f"test_{name}_client_std"] = float(values.std())

@@ -383,7 +383,7 @@ class Progress:
         width = 24
         filled = int(width * round_index / max(self.total, 1))
         parts = [f"[{'#' * filled}{'.' * (width - filled)}] round {round_index}/{self.total}"]
-        for key in ("train_loss", "test_loss", "test_accuracy", "test_auc"):
+        for key in ("train_loss", "test_loss", "test_accuracy", "test_auc", "test_recall_at_5"):
             if key in self.last:
                 parts.append(f"{key} {self.last[key]:.4f}")
         rate = self.rate()

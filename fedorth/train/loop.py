@@ -666,7 +666,7 @@ def _summary(
     path as ``--workdir`` gave it (relative or absolute)."""
     shown = ", ".join(
         f"{key} {row[key]:.4f}"
-        for key in ("train_loss", "test_loss", "test_accuracy", "test_auc")
+        for key in ("train_loss", "test_loss", "test_accuracy", "test_auc", "test_recall_at_5")
         if key in row
     )
     step = checkpointer.manager.latest_step()

@@ -22,14 +22,15 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list
 
 
 def save_curves(rows: Sequence[dict[str, Any]], path: str | pathlib.Path, title: str = "") -> None:
-    """Plots train/test loss and test accuracy/AUC against the round into ``path``.
+    """Plots train/test loss and test accuracy/AUC/recall@5 against the round into ``path``.
 
     Written to a temporary file, then renamed: a viewer never reads a half-written PNG.
     """
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     path = pathlib.Path(path)
-    score = "test_auc" if any("test_auc" in row for row in rows) else "test_accuracy"
+    scores = ("test_auc", "test_recall_at_5")  # the AUC model's, a multi-label model's
+    score = next((k for k in scores if any(k in row for row in rows)), "test_accuracy")
     fig = Figure(figsize=(10, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
     for key, marker in (("train_loss", "o"), ("test_loss", "s")):
