@@ -282,7 +282,7 @@ def test_paper_preset_builds(name, preset):
     assert jax.tree.structure(dry.server.params) == jax.tree.structure(dry.params)
     assert sum(x.size for x in jax.tree.leaves(dry.params)) > 0
     logits = _logits_shape(dry, dtype)
-    if dry.model.task == "classification":
+    if dry.model.task in ("classification", "multilabel"):  # multilabel: a logit per tag
         assert logits.shape == (2, num_classes)
     else:  # language model: next-token logits over the vocabulary at every position
         assert logits.shape == (2, shape[0], num_classes)

@@ -219,3 +219,24 @@ def test_cpu_round_out_of_memory_with_the_disk_store_is_the_documented_paragraph
         done.stderr[-3000:]
     )
     assert "Traceback" not in done.stderr and "RESOURCE_EXHAUSTED" not in done.stderr
+
+
+def test_both_forms_of_xlas_cpu_out_of_memory_are_recognised():
+    """XLA:CPU reports a failed allocation as RESOURCE_EXHAUSTED, or, when it fails while a
+    computation is dispatched (seen under an address-space limit with other jobs running), as
+    INTERNAL "Out of memory allocating N bytes": both are a round out of memory, and the
+    paragraph gives the size asked for."""
+    from fedorth import fed
+    from fedorth.fed import memory
+
+    for text in (
+        "RESOURCE_EXHAUSTED: Out of memory allocating 1365430848 bytes.",
+        "INTERNAL: Error dispatching computation: Out of memory allocating 335544320 bytes.",
+    ):
+        assert memory.is_out_of_memory(jax.errors.JaxRuntimeError(text)), text
+    assert not memory.is_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: a bad operand"))
+    config = fed.RoundConfig(num_clients=4, clients_per_round=2, local_steps=1, learning_rate=0.1)
+    error = jax.errors.JaxRuntimeError(
+        "INTERNAL: Error dispatching computation: Out of memory allocating 335544320 bytes."
+    )
+    assert "XLA asked for 0.31 GiB" in memory.out_of_memory_message(error, config, jax.devices()[0])

@@ -16,7 +16,13 @@ class RoundOutOfMemoryError(MemoryError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+    """Whether XLA failed for want of memory. Its status is RESOURCE_EXHAUSTED, except on the
+    CPU backend when an allocation fails while a computation is dispatched: "INTERNAL: Error
+    dispatching computation: Out of memory allocating N bytes."."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return False
+    message = str(error)
+    return "RESOURCE_EXHAUSTED" in message or "Out of memory allocating" in message
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
