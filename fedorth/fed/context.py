@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from fedorth.fed.state import ClientState, ServerState
@@ -77,6 +78,18 @@ def sample_clients(
     sample_key, _ = jax.random.split(round_key)
     ids = jax.random.choice(sample_key, num_clients, (clients_per_round,), replace=False)
     return round_key, jnp.sort(ids.astype(jnp.int32))
+
+
+_sample = jax.jit(sample_clients, static_argnums=(2, 3))
+
+
+def round_clients(
+    key: jax.Array, round_index: int, num_clients: int, clients_per_round: int
+) -> np.ndarray:
+    """The sorted ids round ``round_index`` samples (as :func:`begin_round` draws them), on the
+    host: what a round's data and client states are read for before it runs."""
+    _, ids = _sample(key, np.int32(round_index), num_clients, clients_per_round)
+    return np.asarray(jax.device_get(ids))
 
 
 def begin_round(server: ServerState, config) -> RoundContext:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedorth.fed.client_store import ArrayStore
-from fedorth.fed.context import sample_clients
+from fedorth.fed.context import round_clients
 from fedorth.fed.disk_store import DiskStore
 from fedorth.fed.state import ServerState
 
@@ -66,12 +66,10 @@ class StoredRoundFn:
         self._prefetch: tuple[int, concurrent.futures.Future] | None = None
         self._previous: tuple[np.ndarray, list] | None = None
         self._key: tuple[np.ndarray, Any] | None = None
-        n, s = num_clients, clients_per_round
-        self._ids = jax.jit(lambda key, r: sample_clients(key, r, n, s)[1])
 
     def sampled(self, server: ServerState, round_index: int) -> np.ndarray:
         """The ids round ``round_index`` samples (as the round itself samples them)."""
-        return np.asarray(self._ids(server.key, jnp.asarray(round_index, jnp.int32)))
+        return round_clients(server.key, round_index, self.num_clients, self.clients_per_round)
 
     def _host_key(self, server: ServerState) -> tuple[np.ndarray, Any]:
         # The server's key is the run's (fixed): a host copy, which the round's donation of
@@ -84,7 +82,7 @@ class StoredRoundFn:
     def _sampled_from(self, key: tuple[np.ndarray, Any], round_index: int) -> np.ndarray:
         data, impl = key
         server_key = jax.random.wrap_key_data(data, impl=impl)
-        return np.asarray(self._ids(server_key, jnp.asarray(round_index, jnp.int32)))
+        return round_clients(server_key, round_index, self.num_clients, self.clients_per_round)
 
     def _rows(self, server: ServerState, round_index: int) -> tuple[np.ndarray, list]:
         prefetched = self._prefetch

@@ -18,7 +18,7 @@ import numpy as np
 
 from fedorth.data import FederatedData
 from fedorth.data.stream import ClientStream
-from fedorth.fed.context import sample_clients
+from fedorth.fed.context import round_clients
 
 __all__ = ["RoundFeed", "StreamReadError", "round_clients"]
 
@@ -26,15 +26,6 @@ __all__ = ["RoundFeed", "StreamReadError", "round_clients"]
 class StreamReadError(RuntimeError):
     """Reading a round's clients failed in the prefetch thread (one line: the round, the file,
     the cause)."""
-
-
-_sample = jax.jit(sample_clients, static_argnums=(2, 3))
-
-
-def round_clients(key: jax.Array, round_index: int, num_clients: int, clients_per_round: int):
-    """The sorted ids the round ``round_index`` samples (as ``begin_round`` draws them)."""
-    _, ids = _sample(key, np.int32(round_index), num_clients, clients_per_round)
-    return np.asarray(jax.device_get(ids))
 
 
 class _Read(threading.Thread):
