@@ -134,6 +134,15 @@ def make_round_config(config: ml_collections.ConfigDict) -> fed.RoundConfig:
     )
 
 
+def _loader_kwargs(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The ``data.*`` keys every loader takes, whole or streamed."""
+    return dict(
+        data_dir=cfg.get("data_dir"),
+        dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
+        validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
+    )
+
+
 def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.FederatedData:
     cfg = config.data
     kwargs = _to_dict(cfg.get("partition_kwargs"))
@@ -148,9 +157,7 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> data_lib.Federat
             num_clients=int(cfg.num_clients),
             partition=cfg.partition,
             seed=seed,
-            data_dir=cfg.get("data_dir"),
-            dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
-            validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
+            **_loader_kwargs(cfg),
             **kwargs,
         )
     except data_lib.DataConfigError as e:
@@ -174,9 +181,7 @@ def build_streamed_data(config: ml_collections.ConfigDict, seed: int):
             num_clients=int(cfg.num_clients),
             seed=seed,
             stream=mode,
-            data_dir=cfg.get("data_dir"),
-            dataset_kwargs=_to_dict(cfg.get("dataset_kwargs")),
-            validation_fraction=float(cfg.get("validation_fraction", 0.0) or 0.0),
+            **_loader_kwargs(cfg),
         )
     except data_lib.DataConfigError as e:
         raise ConfigError(str(e)) from None
