@@ -288,18 +288,23 @@ def cache_every_program():
 
 
 def compilation_cache_env(
-    folder: pathlib.Path, base: dict[str, str] | None = None
+    folder: pathlib.Path, base: dict[str, str] | None = None, *, at_once: bool = False
 ) -> dict[str, str]:
     """``base`` (this process's environment by default) with ``folder`` as the persistent
-    compilation cache, every program cached. A size limit turns on JAX's file lock around each
-    read and write of the folder: commands that run at once (a sweep's jobs) never read an
-    entry another one is writing."""
-    return {
+    compilation cache, every program cached.
+
+    ``at_once``: for commands that run at the same time (a sweep's jobs). A size limit turns on
+    JAX's file lock around each read and write of the folder, so that none reads an entry
+    another is writing. Not for a command that may be frozen (SIGSTOP) while another needs the
+    folder: it would hold the lock, and the other gives up after 10 s with a warning."""
+    env = {
         **(os.environ if base is None else base),
         "JAX_COMPILATION_CACHE_DIR": str(folder),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**36),
     }
+    if at_once:
+        env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**36)
+    return env
 
 
 @pytest.fixture(scope="module")
