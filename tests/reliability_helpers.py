@@ -14,11 +14,15 @@ of a config already run, in that file or another, gets its round and evaluation 
 command-line runs share a cache folder of their own, one per test process (:func:`cli_env`),
 filled by the reference run :func:`tiny_reference`, which also runs once per test process
 (tests/conftest.py's ``cli_compilation_cache`` and ``tiny_reference_run``; JAX's cache keys
-depend on the folder's path, so a copy of the folder would not serve). JAX writes a cache entry
-non-atomically, so a process killed while writing one would leave a partial entry that later
-processes warn about. A process here that is killed (SIGKILL, a second Ctrl-C) runs the reference
-run's programs, which ran to its end, and a few the reference does not run (it saves every round,
-the killed runs do not), which it compiles and writes in its first rounds, before it is stopped;
+depend on the folder's path, so a copy of the folder would not serve). Other files' commands that
+run to their end use it too (tests/test_trackers.py, tests/test_sweep.py,
+tests/test_sweep_shard.py, tests/test_data_stream_runs.py, tests/test_client_store.py): each
+program has its own key, so they only add entries. JAX writes a cache entry non-atomically, so a
+process killed while writing one would leave a partial entry that later processes warn about. A
+process here that is killed (SIGKILL, a second Ctrl-C) runs the reference run's programs, which
+ran to its end, and a few the reference does not run (it saves every round, the killed runs do
+not), which it compiles and writes in its first rounds, before it is stopped; elsewhere a killed
+command gets the folder only after the same command ran to its end there (it then only reads);
 tests/test_signals.py's Ctrl-C during the first compilation runs without the cache. Every run
 killed or stopped here is of the tiny config: a FedPAC_SOAP round calls host LAPACK, which the
 persistent cache does not keep, so each process would compile it again.
@@ -283,14 +287,24 @@ def cache_every_program():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 
-def compilation_cache_env(folder: pathlib.Path) -> dict[str, str]:
-    """This process's environment with ``folder`` as the persistent compilation cache, every
-    program cached."""
-    return {
-        **os.environ,
+def compilation_cache_env(
+    folder: pathlib.Path, base: dict[str, str] | None = None, *, at_once: bool = False
+) -> dict[str, str]:
+    """``base`` (this process's environment by default) with ``folder`` as the persistent
+    compilation cache, every program cached.
+
+    ``at_once``: for commands that run at the same time (a sweep's jobs). A size limit turns on
+    JAX's file lock around each read and write of the folder, so that none reads an entry
+    another is writing. Not for a command that may be frozen (SIGSTOP) while another needs the
+    folder: it would hold the lock, and the other gives up after 10 s with a warning."""
+    env = {
+        **(os.environ if base is None else base),
         "JAX_COMPILATION_CACHE_DIR": str(folder),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
+    if at_once:
+        env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**36)
+    return env
 
 
 @pytest.fixture(scope="module")

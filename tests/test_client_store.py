@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reliability_helpers import compilation_cache_env
 
 from fedorth import fed
 from fedorth.fed import client_store, disk_store, start, stored_round
@@ -313,15 +314,21 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def killed_disk_run(tmp_path_factory):
+def killed_disk_run(tmp_path_factory, cli_compilation_cache):
     """An uninterrupted run (``auto``: the device), and a disk-store run killed with SIGKILL
     as its round 6 is written into the store (checkpoint 4; the undo file of round 6 is the
-    first thing that write makes), then run again."""
+    first thing that write makes), then run again.
+
+    The uninterrupted run and the run again, which run to their end, share the test process's
+    compilation cache (tests/conftest.py's ``cli_compilation_cache``); the killed run, whose
+    disk-store round no finished run compiled before it, compiles its own (a process killed
+    while it writes a cache entry would leave it half written)."""
     tmp = tmp_path_factory.mktemp("client_state")
+    cached = compilation_cache_env(cli_compilation_cache, ENV)
     reference = subprocess.run(
         _command(tmp / "reference"),
         cwd=REPO,
-        env=ENV,
+        env=cached,
         capture_output=True,
         text=True,
         timeout=300,
@@ -339,7 +346,7 @@ def killed_disk_run(tmp_path_factory):
         proc.wait(timeout=60)
     killed_rounds = max(int(p.name) for p in (workdir / "checkpoints").iterdir())
     resumed = subprocess.run(
-        _command(workdir, *args), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+        _command(workdir, *args), cwd=REPO, env=cached, capture_output=True, text=True, timeout=300
     )
     return reference, proc, killed_rounds, resumed, workdir, tmp
 

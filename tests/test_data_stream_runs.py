@@ -22,7 +22,7 @@ from fedorth.train import builders, feed
 from fedorth.train.checkpoint import _DIGEST_KEY
 from tests.test_data_natural import write_fedjax_sqlite
 from tests.test_data_stream import write_emnist
-from tests.test_reliability import rows_of, steps_in, without_wall
+from tests.test_reliability import compilation_cache_env, rows_of, steps_in, without_wall
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -98,9 +98,9 @@ def _command(data_dir: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[
     ]
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
+def _run(argv: list[str], env: dict[str, str] = ENV) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
 
 
@@ -112,20 +112,26 @@ def _final_digest(workdir: pathlib.Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def killed_streamed_run(tmp_path_factory):
+def killed_streamed_run(tmp_path_factory, cli_compilation_cache):
     """An uninterrupted streamed run with the states on disk; the same command killed with
-    SIGKILL while its prefetch thread reads round 5's clients, then run again by it."""
+    SIGKILL while its prefetch thread reads round 5's clients, then run again by it.
+
+    The three share the test process's compilation cache (tests/conftest.py's
+    ``cli_compilation_cache``): the uninterrupted run, which runs to its end, writes its
+    programs there, and the killed run, the same command, only reads them (a process killed
+    while it writes an entry would leave it half written)."""
     tmp = tmp_path_factory.mktemp("streamed_runs")
     data_dir = tmp / "data"
     data_dir.mkdir()
     write_emnist(data_dir, write_fedjax_sqlite, ".sqlite")
-    reference = _run(_command(data_dir, tmp / "reference"))
+    env = compilation_cache_env(cli_compilation_cache, ENV)
+    reference = _run(_command(data_dir, tmp / "reference"), env)
     assert reference.returncode == 0, reference.stderr[-3000:]
     workdir = tmp / "killed"
     command = _command(data_dir, workdir)
-    killed = _run(["-c", KILLER, str(KILLED_READ), *command[2:]])
+    killed = _run(["-c", KILLER, str(KILLED_READ), *command[2:]], env)
     steps, rows = steps_in(workdir), [row["round"] for row in rows_of(workdir)]
-    resumed = _run(command)
+    resumed = _run(command, env)
     return tmp / "reference", (killed, steps, rows), resumed, workdir
 
 

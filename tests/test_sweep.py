@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from reliability_helpers import compilation_cache_env
 
 from configs import fedavg, fedcm, fedmuon, fedpac_soap, scaffold
 from fedorth.sweep import Grid, ReplicaRound, SweepError
@@ -438,14 +439,13 @@ def _command(module: str, workdir: pathlib.Path, *args: str) -> list[str]:
 
 
 def _env(cache: pathlib.Path | None = None) -> dict[str, str]:
-    """The commands' environment; with ``cache``, a persistent compilation cache folder of their
-    own, every program cached. JAX writes an entry non-atomically: a process that may be killed
-    gets a folder only if every program it runs is already there (it then only reads)."""
+    """The commands' environment; with ``cache``, the test process's compilation cache folder of
+    the command-line runs (tests/conftest.py's ``cli_compilation_cache``), every program cached.
+    JAX writes an entry non-atomically: a process that may be killed gets the folder only if
+    every program it runs is already there (it then only reads); a sweep stopped by SIGTERM ends
+    the round in progress, and any write, first."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if cache is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
+    return env if cache is None else compilation_cache_env(cache, env)
 
 
 def _run(command: list[str], cache: pathlib.Path | None = None) -> subprocess.CompletedProcess:
@@ -474,7 +474,7 @@ def test_bad_sweep_key_on_the_command_line_is_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
+def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path, cli_compilation_cache):
     """A sweep killed (SIGKILL) after its second checkpoint (of four) and started again by the
     same command ends with the metrics of an uninterrupted sweep; each replica's metrics equal
     those of ``experiments.main`` with the replica's values (seed 43, lr 0.05 here), and
@@ -483,7 +483,7 @@ def test_sigkill_resume_equals_uninterrupted_sweep_and_single_runs(tmp_path):
     The commands share a compilation cache folder: the uninterrupted sweep, which runs to its
     end, fills it, and the killed sweep runs the same programs (only reads it)."""
     rounds = ["--config.fed.rounds=16"]
-    cache = tmp_path / "compilation_cache"
+    cache = cli_compilation_cache
     whole = tmp_path / "whole"
     first = _run(_command("experiments.sweep", whole, *rounds, *SWEEP_ARGS), cache)
     assert first.returncode == 0, first.stderr
@@ -732,12 +732,14 @@ def _terminate(proc) -> str:
 
 
 @pytest.mark.slow  # several processes: scheduled first
-def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep(tmp_path):
+def test_sigterm_saves_the_sweeps_round_and_the_rerun_ends_as_an_uninterrupted_sweep(
+    tmp_path, cli_compilation_cache
+):
     """SIGTERM during the first round: the sweep saves the round it ends, says where the same
     command resumes, exits 143 without a traceback; the rerun says "Resumed" and "Finished" and
     ends with the rows of a sweep never stopped."""
     args = ["--config.fed.rounds=60", "--config.eval_every=20", "--sweep.seed=42,43"]
-    cache = tmp_path / "compilation_cache"
+    cache = cli_compilation_cache
     whole = _run(_sweep_command(tmp_path / "whole", *args), cache)
     assert whole.returncode == 0, whole.stderr
     workdir = tmp_path / "stopped"
@@ -781,7 +783,9 @@ def test_second_ctrl_c_stops_a_sweep_at_once_without_traceback(tmp_path):
 
 
 @pytest.mark.slow  # several processes: scheduled first
-def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_after(tmp_path):
+def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_after(
+    tmp_path, cli_compilation_cache
+):
     """While the sweep runs, its replica folders are locked: a single run there is refused naming
     the sweep's command. Once it stopped, a single run there is still refused (the replica's state
     is in the sweep's checkpoint): its rows stay the sweep's."""
@@ -796,7 +800,7 @@ def test_a_single_run_in_a_replica_folder_is_refused_while_the_sweep_runs_and_af
         *STOP_ARGS,
         "--config.fed.rounds=100000",
     ]
-    with _running(command, _env()) as proc:
+    with _running(command, _env(cli_compilation_cache)) as proc:  # stopped by SIGTERM
         _wait_for_line(proc, "round 0/100000")
         running = _run(single)
         _terminate(proc)
@@ -867,12 +871,12 @@ def test_a_huge_grid_is_measured_before_any_folder_and_one_that_cannot_fit_is_re
 
 
 @pytest.mark.slow  # several processes: scheduled first
-def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk):
+def test_a_full_disk_stops_a_sweep_with_one_line(tmp_path, small_disk, cli_compilation_cache):
     """A finished 2-round sweep extended to 4 rounds on a disk with room for its rows but not for
     a checkpoint: one line names the file, the space and the intact checkpoint; no row is lost."""
     args = ["--config.eval_every=1", "--config.checkpoint_every=1", "--sweep.seed=42,43"]
     # Neither command is killed: they share a compilation cache, the second only reads it.
-    cache = tmp_path / "compilation_cache"
+    cache = cli_compilation_cache
     first = tmp_path / "first"
     done = _run(_sweep_command(first, "--config.fed.rounds=2", *args), cache)
     assert done.returncode == 0, done.stderr

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from reliability_helpers import compilation_cache_env
 from test_sweep import TINY_ARGS
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -27,23 +28,27 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
 
 
-def _sweep(workdir: pathlib.Path, *args: str, log: pathlib.Path) -> subprocess.Popen:
+def _sweep(
+    workdir: pathlib.Path, *args: str, log: pathlib.Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "experiments.sweep", f"--workdir={workdir}", *ARGS, *args],
             cwd=ROOT,
-            env=_env(),
+            env=env or _env(),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
 
 
-def _command(module: str, *args: str) -> subprocess.CompletedProcess:
+def _command(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m module *args``, to its end."""
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=_env(),
+        env=env or _env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -73,17 +78,27 @@ def _replicas(workdir: pathlib.Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_jobs_share_a_workdir_and_each_resumes_alone(tmp_path):
+def test_two_jobs_share_a_workdir_and_each_resumes_alone(tmp_path, cli_compilation_cache):
     """Jobs 0/2 and 1/2 of a 2 x 3 grid, 8 rounds, at once, beside the whole grid as one sweep
     of 12 rounds: every replica folder is written by one job, equal to the sweep's replica;
     ``experiments.report`` reads all six; job 1 alone, rerun with 12 rounds, resumes from its
-    round 8 and ends equal to the sweep of 12 rounds, job 0's replicas untouched."""
+    round 8 and ends equal to the sweep of 12 rounds, job 0's replicas untouched.
+
+    Every command here runs to its end: they share the test process's compilation cache
+    (tests/reliability_helpers.py's ``compilation_cache_env``, its lock for the three at once)."""
+    env = compilation_cache_env(cli_compilation_cache, _env(), at_once=True)
     logs = [tmp_path / "job_0.log", tmp_path / "job_1.log", tmp_path / "whole.log"]
     jobs = [
-        _sweep(tmp_path / "jobs", "--config.fed.rounds=8", f"--sweep.shard={i}/2", log=logs[i])
+        _sweep(
+            tmp_path / "jobs",
+            "--config.fed.rounds=8",
+            f"--sweep.shard={i}/2",
+            log=logs[i],
+            env=env,
+        )
         for i in range(2)
     ]
-    whole = _sweep(tmp_path / "whole", "--config.fed.rounds=12", log=logs[2])
+    whole = _sweep(tmp_path / "whole", "--config.fed.rounds=12", log=logs[2], env=env)
     _finish([*jobs, whole], logs)
     names = _replicas(tmp_path / "whole")
     assert len(names) == 6 and _replicas(tmp_path / "jobs") == names
@@ -96,7 +111,7 @@ def test_two_jobs_share_a_workdir_and_each_resumes_alone(tmp_path):
         whole_rows = _rows(tmp_path / "whole" / name)
         assert [row["round"] for row in whole_rows] == [0, 4, 8, 12]
         assert _rows(tmp_path / "jobs" / name) == whole_rows[:3], name
-    report = _command("experiments.report", str(tmp_path / "jobs"), "--no-plot")
+    report = _command("experiments.report", str(tmp_path / "jobs"), "--no-plot", env=env)
     assert report.returncode == 0, report.stderr[-3000:]
     for rate in ("0.1", "0.05", "0.02"):
         assert re.search(rf"learning_rate={rate}\) \|.*\| 2 \(42,43\) \| 8 \|", report.stdout), (
@@ -104,7 +119,11 @@ def test_two_jobs_share_a_workdir_and_each_resumes_alone(tmp_path):
         )
 
     again = _sweep(
-        tmp_path / "jobs", "--config.fed.rounds=12", "--sweep.shard=1/2", log=tmp_path / "again.log"
+        tmp_path / "jobs",
+        "--config.fed.rounds=12",
+        "--sweep.shard=1/2",
+        log=tmp_path / "again.log",
+        env=env,
     )
     _finish([again], [tmp_path / "again.log"])
     assert "Resumed the sweep from round 8" in (tmp_path / "again.log").read_text()
@@ -118,6 +137,7 @@ def test_two_jobs_share_a_workdir_and_each_resumes_alone(tmp_path):
         "experiments.main",
         f"--workdir={tmp_path / 'jobs' / names[0]}",
         *(a for a in ARGS if not a.startswith("--sweep.")),
+        env=env,
     )
     assert single.returncode == 1, single.stderr[-3000:]
     assert _one_line(single).startswith(
