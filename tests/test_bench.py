@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import blas_threads_seen
+from helpers import blas_threads_seen, fast_jit
 
 from experiments.bench import (
     budget,
@@ -691,23 +691,30 @@ def test_peer_warm_starts_what_the_mode_aligns(aligned):
 # ----------------------------------------------------------------------------- auto choices
 
 
+def _normal(seed, shape):
+    """Float64 standard normal values drawn by NumPy: an eager ``jax.random.normal`` compiles
+    a program per shape and dtype (most of the CPU time of the float64 tests below)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float64)
+
+
 def test_auto_conv_resolves_to_matmul_on_cpu_and_equals_nn_conv():
     assert jax.default_backend() == "cpu"
     assert resolve_conv_impl("auto") == "matmul"
     assert resolve_conv_impl("lax") == "lax"
     with jax.enable_x64(True):
-        x = jax.random.normal(jax.random.key(0), (2, 9, 9, 3), jnp.float64)
+        x = _normal(0, (2, 9, 9, 3))
         auto = conv2d(
             4, (3, 3), strides=(2, 2), padding="SAME", impl="auto", param_dtype=jnp.float64
         )
         plain = nn.Conv(4, (3, 3), strides=(2, 2), padding="SAME", param_dtype=jnp.float64)
-        params = jax.jit(plain.init)(jax.random.key(1), x)
+        params = fast_jit(plain.init)(jax.random.key(1), x)
 
         def loss(module):
             return lambda p, x: jnp.sum(jnp.sin(module.apply(p, x)))
 
-        # One program per module: the loss and its gradients.
-        both = lambda module: jax.jit(jax.value_and_grad(loss(module), (0, 1)))(params, x)  # noqa: E731
+        # One program per module: the loss and its gradients, compiled at XLA's level 0
+        # (helpers.fast_jit: the same IEEE operations; tolerances 1e4x float64's rounding).
+        both = lambda module: fast_jit(jax.value_and_grad(loss(module), (0, 1)))(params, x)  # noqa: E731
         (v_auto, g_auto), (v_plain, g_plain) = both(auto), both(plain)
         np.testing.assert_allclose(v_auto, v_plain, rtol=1e-12)
         for a, b in zip(jax.tree.leaves(g_auto), jax.tree.leaves(g_plain), strict=True):
@@ -720,14 +727,18 @@ def test_conv_models_default_to_auto_and_match_lax():
     assert models.get_model("resnet18").module.conv_impl == "auto"
     small = dict(features=(2, 3), dense_sizes=(), num_classes=5)  # the convolutions and logits
     with jax.enable_x64(True):
-        x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3), jnp.float64)
+        x = _normal(0, (2, 8, 8, 3))
         batch = {"x": x, "y": jnp.array([1, 3])}
         default = models.get_model("cnn", **small)
         lax_model = models.get_model("cnn", conv_impl="lax", **small)
         assert default.module.conv_impl == "auto"
-        params, state = jax.jit(lax_model.init)(jax.random.key(1), x)
-        params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-        value = lambda m: jax.jit(
+
+        def init(key, x):  # one program: the init and the float64 casts (eager: one per leaf)
+            params, state = lax_model.init(key, x)
+            return jax.tree.map(lambda p: p.astype(jnp.float64), params), state
+
+        params, state = fast_jit(init)(jax.random.key(1), x)
+        value = lambda m: fast_jit(  # level 0: tolerances far above float64's rounding
             jax.value_and_grad(lambda p: m.loss_fn(p, state, batch, None)[0])
         )(params)
         (l_auto, g_auto), (l_lax, g_lax) = value(default), value(lax_model)
@@ -792,8 +803,7 @@ def test_auto_strategy_resolves_per_backend_and_keeps_the_round():
 def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel):
     """Canonical dW/dx (swapped-axes and dilated convolutions) are the same sums as jax.grad's."""
     with jax.enable_x64(True):
-        x = jax.random.normal(jax.random.key(0), (2, 9, 7, 3), jnp.float64)
-        w = jax.random.normal(jax.random.key(1), (*kernel, 3, 4), jnp.float64)
+        x, w = _normal(0, (2, 9, 7, 3)), _normal(1, (*kernel, 3, 4))
         dims = ("NHWC", "HWIO", "NHWC")
 
         def loss(conv):
@@ -801,8 +811,9 @@ def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel)
                 jnp.sin(conv(x, w, strides, padding, dimension_numbers=dims))
             )
 
-        theirs = jax.jit(jax.value_and_grad(loss(jax.lax.conv_general_dilated), (0, 1)))(x, w)
-        ours = jax.jit(jax.value_and_grad(loss(conv_general_dilated_canonical), (0, 1)))(x, w)
+        # XLA's level 0 (helpers.fast_jit): the same sums; 1e-12 is 1e4x float64's rounding.
+        theirs = fast_jit(jax.value_and_grad(loss(jax.lax.conv_general_dilated), (0, 1)))(x, w)
+        ours = fast_jit(jax.value_and_grad(loss(conv_general_dilated_canonical), (0, 1)))(x, w)
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 

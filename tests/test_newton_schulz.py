@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import fast_jit
 from optax.contrib import _muon as optax_muon
 
 from fedorth.optim.newton_schulz import (
@@ -82,8 +83,11 @@ def test_matches_float64_numpy_step_by_step(preset, shape):
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     steps = 12
     ref = np_newton_schulz(x, ns_coefficients(preset, steps))
+    # Past _UNROLL_LIMIT steps a lax.scan, which an op-by-op call compiles whole at each call:
+    # the scanned iterates come from one program (XLA's level 0, helpers.fast_jit).
+    scanned = fast_jit(lambda x: {t: newton_schulz(x, t, preset) for t in range(11, steps + 1)})(x)
     for t in range(steps + 1):
-        got = newton_schulz(x, t, preset)
+        got = scanned[t] if t in scanned else newton_schulz(x, t, preset)
         assert got.shape == x.shape and got.dtype == jnp.float32
         # float32 round-off through t steps of three products; Polar Express's first step
         # (a ≈ 8, b ≈ −22, c ≈ 16) amplifies it most.
@@ -108,7 +112,9 @@ def test_converges_to_svd_polar_factor(preset, steps, shape):
     # Convergent presets reach UVᵀ of a well-conditioned matrix (singular values in [0.1, 1],
     # so σ_min/‖x‖_F ≥ 0.1/√min(m,n) ≥ 0.016) to 1e-3 in relative Frobenius norm.
     x = conditioned(np.random.default_rng(2), shape).astype(np.float32)
-    err = rel_fro(newton_schulz(x, steps, preset), polar(x)).max()
+    # A lax.scan (steps > 10): compiled at XLA's level 0 (helpers.fast_jit), not op by op.
+    got = fast_jit(newton_schulz, static_argnums=(1, 2))(x, steps, preset)
+    err = rel_fro(got, polar(x)).max()
     assert err < 1e-3, f"{preset} with {steps} steps: {err:.2e} from the SVD polar factor"
 
 
