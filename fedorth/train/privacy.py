@@ -87,9 +87,7 @@ def _calibrate(config_json: str) -> float:
             f"noise_multiplier={high:g} gives more); raise dp.target_epsilon or dp.delta, or "
             "lower fed.rounds or fed.clients_per_round."
         )
-    # To 1e-7 of sigma, finer than the 6 digits printed: each accountant call takes ~0.5 s, and
-    # 60 halvings of [0, 1e4] (to 1e-14) took twice the calls for digits nobody reads.
-    while high - low > 1e-7 * high:
+    for _ in range(60):
         middle = (low + high) / 2
         if middle > 0 and epsilon(config, middle, rounds) <= target:
             high = middle
