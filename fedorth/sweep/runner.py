@@ -688,6 +688,7 @@ class _Sweep:
 
     def run(self, plan, had_rows, signals) -> list[dict[str, Any]]:
         rr, count = self.replica_round, len(self.folders)
+        self.done = loop.restored_round(self.checkpointer)  # what a stop at once names meanwhile
         restored, done = self._restore(plan)
         self.done = done  # the round a stop at once names until the rounds run
         again: list[int] = [i for i in range(count) if i not in restored]

@@ -992,7 +992,7 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, outputs):
     run = _RunRounds(config, workdir, experiment, server, checkpointer, (writer, feed, plotter))
     # A second signal during the restore stops at once, as during the rounds.
     with rounds_lib.stopping_at_once(
-        signals, lambda signum: run.stopped_at_once(signum, _restored_round(checkpointer))
+        signals, lambda signum: run.stopped_at_once(signum, restored_round(checkpointer))
     ):
         done = _resume(run)
     run.progress = Progress(run.rounds, start=done)
@@ -1006,8 +1006,9 @@ def _train_rounds(config, workdir, experiment, server, checkpointer, outputs):
     return run.row
 
 
-def _restored_round(checkpointer: Checkpointer) -> int:
-    """The round a run resumes from while its checkpoint is restored: the newest one's."""
+def restored_round(checkpointer: Checkpointer) -> int:
+    """The round a run (or a sweep) resumes from while its checkpoint is restored: the newest
+    checkpoint's, or 0."""
     last = checkpointer.manager.latest_step()
     return 0 if last is None else int(last)
 
