@@ -25,6 +25,7 @@ from reliability_helpers import (
     cli_env,  # noqa: F401 -- a fixture
     wait_for,
 )
+from test_startup import LIMITED_CLI
 
 # Loaded by the commands below (PYTHONPATH). FEDORTH_TEST_SIGNAL_AT_ROUND: the process sends
 # itself SIGINT after it wrote the first row of that round (the others of the round follow).
@@ -193,20 +194,9 @@ def test_a_second_ctrl_c_during_a_sweeps_restore_names_the_round_it_resumes_from
     ), stderr
 
 
-# The command with its address space limited to what it holds after JAX starts plus a budget,
-# as tests/test_startup.py's round out of memory.
-_LIMITED = """
-import re, resource, runpy, sys
-import experiments
-import jax
-jax.devices()
-with open("/proc/self/status") as f:
-    size = int(re.search(r"VmSize:\\s+(\\d+) kB", f.read()).group(1)) * 1024
-budget = int(float(sys.argv.pop(1)) * 2**30)
-resource.setrlimit(resource.RLIMIT_AS, (size + budget, resource.RLIM_INFINITY))
-sys.argv[0] = "experiments.sweep"
-runpy.run_module("experiments.sweep", run_name="__main__", alter_sys=True)
-"""
+# tests/test_startup.py's command with its address space limited, running the sweep.
+_LIMITED = LIMITED_CLI.replace('"experiments.main"', '"experiments.sweep"')
+assert _LIMITED != LIMITED_CLI
 
 
 def test_a_sweeps_round_out_of_memory_is_the_documented_paragraph(tmp_path):
