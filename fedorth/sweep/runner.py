@@ -968,9 +968,8 @@ class _SweepRounds(rounds_lib.Rounds):
             signum, done, self.sweep.checkpointer, self.sweep.workdir, "the sweep "
         )
 
-    def memory_of(self):
-        round_fn = self.replica_round.replicas[0].experiment.round_fn
-        return round_fn.config, round_fn.devices[0]
+    def out_of_memory(self, error: BaseException) -> str:
+        return self.replica_round.out_of_memory_message(error)
 
 
 def _union(indices: list[int], count: int) -> list[int]:

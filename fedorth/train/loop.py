@@ -977,9 +977,9 @@ class _RunRounds(rounds_lib.Rounds):
     def stopped_at_once(self, signum: int | None, done: int) -> RunInterrupted:
         return stopped_at_once(signum, done, self.checkpointer, self.workdir)
 
-    def memory_of(self):
+    def out_of_memory(self, error: BaseException) -> str:
         round_fn = self.experiment.round_fn
-        return round_fn.config, round_fn.devices[0]
+        return fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
 
     def wait(self) -> None:
         self.plotter.wait()

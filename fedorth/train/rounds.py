@@ -88,8 +88,9 @@ class Rounds:
         """The stop of a second signal after round ``done``, from the newest checkpoint."""
         raise NotImplementedError
 
-    def memory_of(self) -> tuple[fed.RoundConfig, Any]:
-        """The round's config and device, which an out-of-memory paragraph names."""
+    def out_of_memory(self, error: BaseException) -> str:
+        """What a round that ran out of memory says (XLA's ``error``): the round's paragraph
+        (``fed.memory.out_of_memory_message``)."""
         raise NotImplementedError
 
     def wait(self) -> None:
@@ -193,10 +194,7 @@ def run_rounds(rounds: Rounds, signals, done: int, stop: int | None = None) -> i
     except jax.errors.JaxRuntimeError as error:
         if not fed.memory.is_out_of_memory(error):
             raise
-        config, device = rounds.memory_of()
-        raise fed.RoundOutOfMemoryError(
-            fed.memory.out_of_memory_message(error, config, device)
-        ) from None
+        raise fed.RoundOutOfMemoryError(rounds.out_of_memory(error)) from None
     finally:
         rounds.wait()
     return done
