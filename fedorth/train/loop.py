@@ -11,7 +11,9 @@ Live outputs: ``metrics.jsonl`` starts with a round-0 row (the initial model's e
 ``train_loss``, no local step ran), ``curves.png`` is redrawn at every evaluation, TensorBoard
 event files (tensorboardX) go to ``tensorboard/``, and the progress line shows the rate of the
 recent rounds (the first, compiling, round excluded) and an ETA. A finished run ends with one line:
-its last metrics and where its files are.
+its last metrics and where its files are. The rounds run in
+:func:`fedorth.train.rounds.run_rounds`, the loop a sweep's replicas run in too
+(:class:`_RunRounds` is what a single run gives it).
 
 Stopping: Ctrl-C (SIGINT) or SIGTERM stops the run after the round in progress, saved: "interrupted
 (SIGTERM) at round r; the same command resumes from round r" (:class:`RunInterrupted`); a second

@@ -4,8 +4,9 @@
 does around a round: which rounds are evaluated and saved, a stop request checked before the
 round's writes and again after them (the round is then saved, and the run stops naming the
 round it resumes from), a second signal that stops at once (:func:`stopping_at_once`, also
-around the restore before the rounds), an out-of-memory error read after the round turned into
-:class:`fedorth.fed.RoundOutOfMemoryError`'s paragraph, and drawings in the background waited
+around the restore before the rounds), an out-of-memory error of the round (raised by its call,
+or where its results are first read) turned into :class:`fedorth.fed.RoundOutOfMemoryError`
+with the paragraph :meth:`Rounds.out_of_memory` gives, and drawings in the background waited
 for. Each evaluated row is built by :func:`evaluated_row`.
 
 What differs is the :class:`Rounds` given: a single run (:mod:`fedorth.train.loop`) has one
