@@ -544,6 +544,16 @@ class ReplicaRound:
             return list(range(len(self.replicas)))
         return self.placement.owned()
 
+    def out_of_memory_message(self, error: BaseException) -> str:
+        """What to change when a round of the replicas runs out of memory: replicas run one at a
+        time (``sequential``, on one device) run a single run's round, whose paragraph says it
+        (``fed.memory.out_of_memory_message``); several at once, or placed on several devices,
+        the sweep's own settings (``fedorth.sweep.strategy.out_of_memory_message``)."""
+        if self.placement is None and (self.strategy == "sequential" or self.chunk_size <= 1):
+            round_fn = self.replicas[0].experiment.round_fn
+            return fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
+        return strategy_lib.out_of_memory_message(self.strategy, self.chunk_size, self.placement)
+
     def __call__(self, states: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
         """Runs one round of every replica: the new states and each replica's metrics (placed
         on a mesh: on the host, of the replicas this process owns; None for the others)."""
@@ -557,11 +567,7 @@ class ReplicaRound:
             except jax.errors.JaxRuntimeError as error:
                 if not is_out_of_memory(error):
                     raise
-                raise fed.RoundOutOfMemoryError(
-                    strategy_lib.out_of_memory_message(
-                        self.strategy, self.chunk_size, self.placement
-                    )
-                ) from None
+                raise fed.RoundOutOfMemoryError(self.out_of_memory_message(error)) from None
             new_states.append(state)
             if self.placement is not None:
                 rows = self._local_rows(unit_metrics)

@@ -65,8 +65,9 @@ from fedorth.sweep import placement as placement_lib
 from fedorth.sweep.grid import Grid, SweepError, replica_name
 from fedorth.sweep.replicas import ReplicaRound, _stack
 from fedorth.sweep.strategy import describe_selection
-from fedorth.train import builders, distributed, loop, plots, privacy
+from fedorth.train import builders, distributed, loop, plots
 from fedorth.train import checkpoint as checkpoint_lib
+from fedorth.train import rounds as rounds_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer
@@ -350,13 +351,6 @@ class _Counter:
 # -- the sweep ----------------------------------------------------------------------------------
 
 
-def _finite(row: dict[str, Any]) -> str | None:
-    for key, value in row.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return key
-    return None
-
-
 def _params_finite(params) -> bool:
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(params))
 
@@ -588,17 +582,16 @@ def _run_locked(
     signals = loop._Signals(processes=jax.process_count())
     finished = False
     try:
-        with signals:
-            try:
-                rows = sweep.run(plan, had_rows, signals)
-            except loop.RunInterrupted:
-                raise
-            except KeyboardInterrupt as e:
-                # A second signal outside the rounds (the restore, a catch-up's start, a save):
-                # the same stop at once as within them, naming the checkpoint a rerun resumes from.
-                raise loop.stopped_at_once(
-                    signals.received, sweep.done, checkpointer, sweep.workdir, "the sweep "
-                ) from e
+        # A second signal outside the rounds (the restore, a catch-up's start, a save): the
+        # same stop at once as within them, naming the checkpoint a rerun resumes from.
+        at_once = rounds_lib.stopping_at_once(
+            signals,
+            lambda signum: loop.stopped_at_once(
+                signum, sweep.done, checkpointer, sweep.workdir, "the sweep "
+            ),
+        )
+        with signals, at_once:
+            rows = sweep.run(plan, had_rows, signals)
         for writer, folder in zip(writers, folders, strict=True):
             if writer is not None:
                 writer.finish(trackers_lib.finished_files(folder))
@@ -695,6 +688,7 @@ class _Sweep:
 
     def run(self, plan, had_rows, signals) -> list[dict[str, Any]]:
         rr, count = self.replica_round, len(self.folders)
+        self.done = loop.restored_round(self.checkpointer)  # what a stop at once names meanwhile
         restored, done = self._restore(plan)
         self.done = done  # the round a stop at once names until the rounds run
         again: list[int] = [i for i in range(count) if i not in restored]
@@ -828,90 +822,10 @@ class _Sweep:
     def _train(self, rr, states, done, indices, signals, *, save: bool, stop: int | None = None):
         """Rounds ``done + 1 .. stop`` (default ``fed.rounds``) of ``rr``, whose replica ``k`` is
         the sweep's replica ``indices[k]``; with ``save``, checkpoints of the whole sweep."""
-        stop = self.rounds if stop is None else stop
-        evaluators = rr.evaluators()
-        owned = set(rr.owned())  # positions in rr of the replicas this process writes
-        progress = Progress(self.rounds, start=done, stream=self.stream)
-        start = time.perf_counter()
-        last: dict[int, dict[str, Any]] = {}
-
-        def write(index: int, row: dict[str, Any]) -> None:
-            writer = self.writers[index]
-            with loop._disk_space(writer.path, len(json.dumps(row)) + 1, self.checkpointer):
-                writer.write(row)
-            last[index] = row
-
-        def evaluate(k: int, state) -> dict[str, float]:
-            out = jax.device_get(evaluators[k](state.params, state.model_state))
-            return {key: float(v) for key, v in out.items()}
-
-        try:
-            if done == 0 and self.eval_every > 0:
-                rows = []
-                for k, index in enumerate(indices):
-                    if k not in owned:
-                        continue
-                    state = rr.replica_state(states, k)
-                    row = {"round": 0, **evaluate(k, state), **self.comm_row}
-                    row["wall_s"] = time.perf_counter() - start
-                    write(index, row)
-                    rows.append(row)
-                progress.update(0, _mean(rows))
-            while done < stop:
-                states, metrics = rr(states)
-                done += 1
-                is_last = done == self.rounds
-                is_eval = is_last or (self.eval_every > 0 and done % self.eval_every == 0)
-                rows = []
-                for k, index in enumerate(indices):
-                    if index in self.diverged or k not in owned:
-                        continue
-                    loss = float(metrics[k]["train_loss"])
-                    if not math.isfinite(loss):
-                        self._mark_diverged(index, done, f"train_loss is {loss}")
-                        continue
-                    if not is_eval:
-                        continue
-                    state = rr.replica_state(states, k)
-                    if not _params_finite(state.params):
-                        self._mark_diverged(index, done, "the parameters contain NaN/Inf")
-                        continue
-                    row = {"round": done}
-                    row.update({key: float(v) for key, v in jax.device_get(metrics[k]).items()})
-                    row.update(evaluate(k, state))
-                    row.update(self.comm_row)
-                    row.update(privacy.epsilon_row(rr.replicas[k].config, done))
-                    row["wall_s"] = self.wall_offset + time.perf_counter() - start
-                    bad = _finite(row)
-                    if bad is not None:
-                        self._mark_diverged(index, done, f"{bad} is {row[bad]}")
-                        continue
-                    write(index, row)
-                    rows.append(row)
-                progress.update(done, _mean(rows) if is_eval else None)
-                stopping = signals.stop_requested()
-                every = self.checkpointer.every
-                if save and (is_last or stopping or (every and done % every == 0)):
-                    step_path = self.checkpointer.directory / str(done)
-                    with loop._disk_space(step_path, None, self.checkpointer):
-                        self.checkpointer.save(rr.stack(states), force=True)
-                    self._save_curves(indices)
-                if stopping and not is_last and save:
-                    raise loop.stopped(signals.received, done, self.workdir, "the sweep ")
-                if stopping and not is_last:
-                    raise loop.RunInterrupted(
-                        f"interrupted ({signal.Signals(signals.received).name}) at round {done} "
-                        f"of the replicas computed from round 0; the same command resumes the "
-                        f"sweep from round {stop} and computes them again ({self.workdir}).",
-                        signals.received,
-                    )
-        except loop.RunInterrupted:
-            raise
-        except KeyboardInterrupt as e:  # a second signal: at once, from the newest checkpoint
-            raise loop.stopped_at_once(
-                signals.received, done, self.checkpointer, self.workdir, "the sweep "
-            ) from e
-        return states, done, [last.get(i) for i in range(len(self.folders))]
+        rounds = _SweepRounds(self, rr, states, indices, save=save, stop=stop)
+        rounds.progress = Progress(self.rounds, start=done, stream=self.stream)
+        done = rounds_lib.run_rounds(rounds, signals, done, stop)
+        return rounds.states, done, [rounds.last.get(i) for i in range(len(self.folders))]
 
     def _mark_diverged(self, index: int, round_index: int, quantity: str) -> None:
         self.diverged[index] = round_index
@@ -949,6 +863,113 @@ class _Sweep:
             f"{self.checkpointer.directory / str(step)}.",
             file=self.stream,
         )
+
+
+class _SweepRounds(rounds_lib.Rounds):
+    """A sweep's rounds (:func:`fedorth.train.rounds.run_rounds`): one state per replica; a
+    replica whose loss, parameters or row is not finite is marked diverged, and the others go
+    on."""
+
+    def __init__(self, sweep: _Sweep, rr: ReplicaRound, states, indices, *, save, stop):
+        self.sweep, self.replica_round, self.states, self.indices = sweep, rr, states, indices
+        self.rounds, self.eval_every = sweep.rounds, sweep.eval_every
+        self.checkpoint_every = sweep.checkpointer.every
+        self.saves, self.stop = save, sweep.rounds if stop is None else stop
+        self.evaluators = rr.evaluators()
+        self.owned = set(rr.owned())  # positions in rr of the replicas this process writes
+        self.start = time.perf_counter()
+        self.last: dict[int, dict[str, Any]] = {}
+        self.checked = 0
+
+    def _live(self):
+        """``(k, index)`` of the replicas this process writes that have not diverged."""
+        for k, index in enumerate(self.indices):
+            if index not in self.sweep.diverged and k in self.owned:
+                yield k, index
+
+    def _evaluation(self, k: int, state) -> dict[str, float]:
+        out = jax.device_get(self.evaluators[k](state.params, state.model_state))
+        return {key: float(v) for key, v in out.items()}
+
+    def _write(self, index: int, row: dict[str, Any]) -> None:
+        writer = self.sweep.writers[index]
+        with loop._disk_space(writer.path, len(json.dumps(row)) + 1, self.sweep.checkpointer):
+            writer.write(row)
+        self.last[index] = row
+
+    def initial(self) -> None:
+        rows = []
+        for k, index in self._live():
+            state = self.replica_round.replica_state(self.states, k)
+            row = {"round": 0, **self._evaluation(k, state), **self.sweep.comm_row}
+            row["wall_s"] = time.perf_counter() - self.start
+            self._write(index, row)
+            rows.append(row)
+        self.progress.update(0, _mean(rows))
+
+    def round(self, done: int) -> Any:
+        self.states, metrics = self.replica_round(self.states)
+        return metrics
+
+    def check(self, round_index: int, metrics: Any, *, full_state: bool) -> None:
+        if self.checked == round_index:  # the loss is read once a round
+            return
+        self.checked = round_index
+        for k, index in list(self._live()):
+            loss = float(metrics[k]["train_loss"])
+            if not math.isfinite(loss):
+                self.sweep._mark_diverged(index, round_index, f"train_loss is {loss}")
+
+    def evaluate(self, round_index: int, metrics: Any) -> None:
+        rows = []
+        for k, index in list(self._live()):
+            replica = self.replica_round.replicas[k]
+            state = self.replica_round.replica_state(self.states, k)
+            if not _params_finite(state.params):
+                self.sweep._mark_diverged(index, round_index, "the parameters contain NaN/Inf")
+                continue
+            row = rounds_lib.evaluated_row(
+                replica.config,
+                round_index,
+                jax.device_get(metrics[k]),
+                self._evaluation(k, state),
+                self.sweep.comm_row,
+                self.sweep.wall_offset + time.perf_counter() - self.start,
+                jax.device_get(state.params)
+                if replica.config.get("log_condition_number")
+                else None,
+            )
+            bad = rounds_lib.non_finite(row)
+            if bad is not None:
+                self.sweep._mark_diverged(index, round_index, f"{bad} is {row[bad]}")
+                continue
+            self._write(index, row)
+            rows.append(row)
+        self.progress.update(round_index, _mean(rows))
+
+    def save(self, round_index: int) -> None:
+        checkpointer = self.sweep.checkpointer
+        with loop._disk_space(checkpointer.directory / str(round_index), None, checkpointer):
+            checkpointer.save(self.replica_round.stack(self.states), force=True)
+        self.sweep._save_curves(self.indices)
+
+    def stopped(self, signum: int, round_index: int) -> loop.RunInterrupted:
+        if self.saves:
+            return loop.stopped(signum, round_index, self.sweep.workdir, "the sweep ")
+        return loop.RunInterrupted(
+            f"interrupted ({signal.Signals(signum).name}) at round {round_index} of the replicas "
+            f"computed from round 0; the same command resumes the sweep from round {self.stop} "
+            f"and computes them again ({self.sweep.workdir}).",
+            signum,
+        )
+
+    def stopped_at_once(self, signum: int | None, done: int) -> loop.RunInterrupted:
+        return loop.stopped_at_once(
+            signum, done, self.sweep.checkpointer, self.sweep.workdir, "the sweep "
+        )
+
+    def out_of_memory(self, error: BaseException) -> str:
+        return self.replica_round.out_of_memory_message(error)
 
 
 def _union(indices: list[int], count: int) -> list[int]:

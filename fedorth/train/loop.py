@@ -11,7 +11,9 @@ Live outputs: ``metrics.jsonl`` starts with a round-0 row (the initial model's e
 ``train_loss``, no local step ran), ``curves.png`` is redrawn at every evaluation, TensorBoard
 event files (tensorboardX) go to ``tensorboard/``, and the progress line shows the rate of the
 recent rounds (the first, compiling, round excluded) and an ETA. A finished run ends with one line:
-its last metrics and where its files are.
+its last metrics and where its files are. The rounds run in
+:func:`fedorth.train.rounds.run_rounds`, the loop a sweep's replicas run in too
+(:class:`_RunRounds` is what a single run gives it).
 
 Stopping: Ctrl-C (SIGINT) or SIGTERM stops the run after the round in progress, saved: "interrupted
 (SIGTERM) at round r; the same command resumes from round r" (:class:`RunInterrupted`); a second
@@ -59,13 +61,15 @@ import fedorth
 from fedorth import fed
 from fedorth.data import DatasetNotPreparedError
 from fedorth.fed import client_store
-from fedorth.train import builders, plots, privacy
+from fedorth.train import builders, plots
 from fedorth.train import checkpoint as checkpoint_lib
 from fedorth.train import feed as feed_lib
+from fedorth.train import rounds as rounds_lib
 from fedorth.train import trackers as trackers_lib
 from fedorth.train import workdir as workdir_lib
 from fedorth.train.checkpoint import Checkpointer, CheckpointError
 from fedorth.train.logging_utils import MetricsWriter, Progress
+from fedorth.train.rounds import RunInterrupted
 from fedorth.train.validate import ConfigError, validate
 from fedorth.train.workdir import DiskFullError, WorkdirError, WorkdirLockedError
 
@@ -80,18 +84,6 @@ class WorkdirConflictError(RuntimeError):
 
 class RoundPlacementError(RuntimeError):
     """A multi-process run's round compiled for fewer devices than its processes hold."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM during a run; the message names the round reached and the round
-    a rerun resumes from (the newest checkpoint). ``signum``: the signal, or ``None`` for a
-    ``KeyboardInterrupt`` raised otherwise. ``at_once``: a second signal stopped it without
-    saving the round (with several processes, the others did not stop with it)."""
-
-    def __init__(self, message: str, signum: int | None = None, *, at_once: bool = False):
-        super().__init__(message)
-        self.signum = signum
-        self.at_once = at_once
 
 
 ROUNDS_FREE_SCHEDULES = ("constant", "step")
@@ -607,8 +599,6 @@ def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[
     del first
     with _disk_space(files / "run_info.json", None, None):
         _write_run_info(files, experiment.round_fn)
-    rounds = int(config.fed.rounds)
-    eval_every = int(config.get("eval_every", 1))  # 0: only after the last round
     states = experiment.round_fn if experiment.client_store is not None else None
     checkpointer = Checkpointer(
         workdir,
@@ -628,7 +618,6 @@ def _run_feed(config, workdir, files, experiment, server, writer, feed) -> dict[
                 experiment,
                 server,
                 checkpointer,
-                (rounds, eval_every),
                 (writer, signals, feed),
             )
             writer.finish(trackers_lib.finished_files(files))
@@ -906,142 +895,160 @@ def _evaluate_checkpoint(
     return row
 
 
-def _train_rounds(config, workdir, experiment, server, checkpointer, schedule, outputs):
-    rounds, eval_every = schedule
-    writer, signals, feed = outputs
-    restored = checkpointer.restore_latest(server)
-    wall_offset = 0.0
-    title = f"{config.fed.algorithm} on {config.data.name}"
-    comm = communication_row(experiment, server)
+class _RunRounds(rounds_lib.Rounds):
+    """A single run's rounds (:func:`fedorth.train.rounds.run_rounds`): one server state; a
+    non-finite loss, state or row raises :class:`DivergenceError` before the round is written."""
 
-    def comm_row() -> dict[str, float]:
-        return dict(comm)
+    def __init__(self, config, workdir, experiment, server, checkpointer, outputs):
+        self.config, self.workdir, self.experiment = config, workdir, experiment
+        self.server, self.checkpointer = server, checkpointer
+        self.writer, self.feed, self.plotter = outputs
+        self.rounds = int(config.fed.rounds)
+        self.eval_every = int(config.get("eval_every", 1))
+        self.checkpoint_every = checkpointer.every
+        self.comm = communication_row(experiment, server)
+        self.eval_fn = builders.make_eval_fn(experiment)
+        self.wall_offset, self.start = 0.0, time.perf_counter()
+        self.row: dict[str, Any] = {}
+        state = server.replace(key=jax.random.key_data(server.key))
+        self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a save writes
+        if experiment.client_store is not None and experiment.client_store.kind == "host":
+            self.state_bytes += experiment.client_store.nbytes()
 
-    metrics_path = workdir / "metrics.jsonl"
-    eval_fn = builders.make_eval_fn(experiment)
-    # The round counter, kept on the host: each process reads the state it holds once, then
-    # counts the rounds it runs (all processes run them together).
-    server = server if restored is None else restored
-    done = int(to_host(server.round))
-    if restored is not None:
-        with _disk_space(metrics_path, None, checkpointer):
-            kept = writer.resume(done, exact=comm_row())
-            if (done >= rounds or (eval_every > 0 and done % eval_every == 0)) and not any(
-                row["round"] == done for row in kept
-            ):
-                kept.append(_evaluate_checkpoint(server, done, eval_fn, comm_row(), writer))
-        wall_offset = max((row["wall_s"] for row in kept if "wall_s" in row), default=0.0)
-        if done >= rounds:
-            extend = (
-                f"rerun with a larger --config.fed.rounds (> {done}) to extend it"
-                if config.optim.get("schedule", "constant") in ROUNDS_FREE_SCHEDULES
-                else f"optim.schedule={config.optim.schedule!r} decays over fed.rounds, so it "
-                "cannot be extended; start a new --workdir for a longer run"
-            )
-            print(
-                f"{workdir} holds a finished run (round {done} of fed.rounds={rounds}); {extend}.",
-                file=sys.stderr,
-            )
-        else:
-            print(f"Resumed from round {done} in {workdir}.", file=sys.stderr)
-    else:
-        with _disk_space(metrics_path, None, checkpointer):
-            writer.resume(-1)
-    progress = Progress(rounds, start=done)
-    start = time.perf_counter()
+    def _evaluation(self) -> dict[str, float]:
+        evaluation = to_host(self.eval_fn(self.server.params, self.server.model_state))
+        return {k: float(v) for k, v in evaluation.items()}
 
-    plotter = plots.CurvePlotter(workdir / "curves.png", title=title)
-    if done == 0 and eval_every > 0:
-        # Round 0: the initial model (no local step ran, so no train_loss); curves start here.
-        evaluation = to_host(eval_fn(server.params, server.model_state))
-        row0 = {"round": 0, **{k: float(v) for k, v in evaluation.items()}, **comm_row()}
-        row0["wall_s"] = time.perf_counter() - start
-        with _disk_space(metrics_path, len(json.dumps(row0)) + 1, checkpointer):
-            writer.write(row0)
-        progress.update(0, row0)
-        plotter.update(writer.rows())
-    row: dict[str, Any] = writer.rows()[-1] if writer.rows() else {}
-    state = server.replace(key=jax.random.key_data(server.key))
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))  # what a checkpoint writes
-    if experiment.client_store is not None and experiment.client_store.kind == "host":
-        state_bytes += experiment.client_store.nbytes()
-    try:
-        while done < rounds:
-            server, metrics = experiment.round_fn(server, feed(done))
-            round_index = done = done + 1
-            is_last = round_index == rounds
-            is_eval = is_last or (eval_every > 0 and round_index % eval_every == 0)
-            will_save = is_last or (checkpointer.every and round_index % checkpointer.every == 0)
-            stopping = signals.stop_requested()
-            # Before anything of this round is written or saved (DivergenceError otherwise).
-            _check_finite(
+    def _write(self, row: dict[str, Any]) -> None:
+        with _disk_space(self.writer.path, len(json.dumps(row)) + 1, self.checkpointer):
+            self.writer.write(row)
+        self.row = row
+        self.progress.update(row["round"], row)
+        # Redrawn at every evaluation (in the background), so a run can be watched.
+        self.plotter.update(self.writer.rows())
+
+    def initial(self) -> None:
+        # The initial model (no local step ran, so no train_loss); curves start here.
+        row = {"round": 0, **self._evaluation(), **self.comm}
+        row["wall_s"] = time.perf_counter() - self.start
+        self._write(row)
+
+    def round(self, done: int) -> Any:
+        self.server, metrics = self.experiment.round_fn(self.server, self.feed(done))
+        return metrics
+
+    def check(self, round_index: int, metrics: Any, *, full_state: bool) -> None:
+        _check_finite(
+            round_index,
+            metrics,
+            self.server,
+            full_state=full_state,
+            checkpointer=self.checkpointer,
+        )
+
+    def evaluate(self, round_index: int, metrics: Any) -> None:
+        row = rounds_lib.evaluated_row(
+            self.config,
+            round_index,
+            to_host(metrics),
+            self._evaluation(),
+            self.comm,
+            self.wall_offset + time.perf_counter() - self.start,
+            to_host(self.server.params) if self.config.get("log_condition_number") else None,
+        )
+        bad = rounds_lib.non_finite(row)
+        if bad is not None:
+            raise _diverged(
                 round_index,
-                metrics,
-                server,
-                full_state=will_save or stopping,
-                checkpointer=checkpointer,
+                f"{bad} is {row[bad]}",
+                f"Diverged at round {round_index}: {bad} is {row[bad]} "
+                "although the parameters are finite. Nothing of this round was "
+                "written or saved; lower optim.learning_rate or add clipping.",
             )
-            if is_eval:
-                metrics = to_host(metrics)
-                evaluation = to_host(eval_fn(server.params, server.model_state))
-                row = {"round": round_index}
-                row.update({k: float(v) for k, v in metrics.items()})
-                row.update({k: float(v) for k, v in evaluation.items()})
-                row.update(comm_row())
-                row.update(privacy.epsilon_row(config, round_index))
-                row["wall_s"] = wall_offset + time.perf_counter() - start
-                if config.get("log_condition_number", False):
-                    kappa = builders.condition_numbers(to_host(server.params))
-                    row["condition_number_mean"] = float(np.mean(list(kappa.values())))
-                    row["condition_number_max"] = float(np.max(list(kappa.values())))
-                bad = [k for k, v in row.items() if not math.isfinite(v)]
-                if bad:
-                    plotter.wait()
-                    raise _diverged(
-                        round_index,
-                        f"{bad[0]} is {row[bad[0]]}",
-                        f"Diverged at round {round_index}: {bad[0]} is {row[bad[0]]} "
-                        "although the parameters are finite. Nothing of this round was "
-                        "written or saved; lower optim.learning_rate or add clipping.",
-                    )
-                with _disk_space(metrics_path, len(json.dumps(row)) + 1, checkpointer):
-                    writer.write(row)
-                progress.update(round_index, row)
-                # Redrawn at every evaluation (in the background), so a run can be watched.
-                plotter.update(writer.rows())
-            else:
-                progress.update(round_index)
-            if not stopping and signals.stop_requested():  # came during this round's writes
-                stopping = True
-                _check_finite(
-                    round_index, metrics, server, full_state=True, checkpointer=checkpointer
-                )
-            step_path = checkpointer.directory / str(round_index)
-            with _disk_space(step_path, state_bytes, checkpointer):
-                # A stop request saves the round just ended (unless it is the last: the
-                # run has finished, and ends as usual).
-                checkpointer.save(server, force=is_last or stopping)
-            if stopping and not is_last:
-                plotter.wait()
-                raise stopped(signals.received, round_index, workdir)
-    except RunInterrupted:
-        raise
-    except jax.errors.JaxRuntimeError as error:
-        # A round's out-of-memory error surfaces where its results are first read (the
-        # finiteness check, the evaluation), after the round's call returned.
-        if not fed.memory.is_out_of_memory(error):
-            raise
-        round_fn = experiment.round_fn
-        message = fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
-        raise fed.RoundOutOfMemoryError(message) from None
-    except KeyboardInterrupt as e:
-        plotter.wait()
-        raise stopped_at_once(signals.received, done, checkpointer, workdir) from e
-    finally:
-        plotter.wait()  # no drawing outlives a failed run (its folder may be removed next)
-    with _disk_space(checkpointer.directory / str(done), state_bytes, checkpointer):
-        checkpointer.save(server, force=True)  # a resumed run that had already finished
+        self._write(row)
+
+    def save(self, round_index: int) -> None:
+        with _disk_space(
+            self.checkpointer.directory / str(round_index), self.state_bytes, self.checkpointer
+        ):
+            self.checkpointer.save(self.server, force=True)
+
+    def stopped(self, signum: int, round_index: int) -> RunInterrupted:
+        return stopped(signum, round_index, self.workdir)
+
+    def stopped_at_once(self, signum: int | None, done: int) -> RunInterrupted:
+        return stopped_at_once(signum, done, self.checkpointer, self.workdir)
+
+    def out_of_memory(self, error: BaseException) -> str:
+        round_fn = self.experiment.round_fn
+        return fed.memory.out_of_memory_message(error, round_fn.config, round_fn.devices[0])
+
+    def wait(self) -> None:
+        self.plotter.wait()
+
+
+def _train_rounds(config, workdir, experiment, server, checkpointer, outputs):
+    writer, signals, feed = outputs
+    title = f"{config.fed.algorithm} on {config.data.name}"
+    plotter = plots.CurvePlotter(workdir / "curves.png", title=title)
+    run = _RunRounds(config, workdir, experiment, server, checkpointer, (writer, feed, plotter))
+    # A second signal during the restore stops at once, as during the rounds.
+    with rounds_lib.stopping_at_once(
+        signals, lambda signum: run.stopped_at_once(signum, restored_round(checkpointer))
+    ):
+        done = _resume(run)
+    run.progress = Progress(run.rounds, start=done)
+    run.start = time.perf_counter()
+    done = rounds_lib.run_rounds(run, signals, done)
+    with _disk_space(checkpointer.directory / str(done), run.state_bytes, checkpointer):
+        checkpointer.save(run.server, force=True)  # a resumed run that had already finished
     plotter.update(writer.rows())
     with _disk_space(workdir / "curves.png", None, checkpointer):
         plotter.close()
-    return row
+    return run.row
+
+
+def restored_round(checkpointer: Checkpointer) -> int:
+    """The round a run (or a sweep) resumes from while its checkpoint is restored: the newest
+    checkpoint's, or 0."""
+    last = checkpointer.manager.latest_step()
+    return 0 if last is None else int(last)
+
+
+def _resume(run: _RunRounds) -> int:
+    """Restores the newest checkpoint into ``run`` and brings ``metrics.jsonl`` to its round (a
+    missing row of that round rebuilt); the round the rounds resume from."""
+    config, workdir, checkpointer, writer = run.config, run.workdir, run.checkpointer, run.writer
+    rounds, eval_every = run.rounds, run.eval_every
+    metrics_path = workdir / "metrics.jsonl"
+    restored = checkpointer.restore_latest(run.server)
+    # The round counter, kept on the host: each process reads the state it holds once, then
+    # counts the rounds it runs (all processes run them together).
+    run.server = run.server if restored is None else restored
+    done = int(to_host(run.server.round))
+    if restored is None:
+        with _disk_space(metrics_path, None, checkpointer):
+            writer.resume(-1)
+        return done
+    with _disk_space(metrics_path, None, checkpointer):
+        kept = writer.resume(done, exact=dict(run.comm))
+        if (done >= rounds or (eval_every > 0 and done % eval_every == 0)) and not any(
+            row["round"] == done for row in kept
+        ):
+            kept.append(_evaluate_checkpoint(run.server, done, run.eval_fn, dict(run.comm), writer))
+    run.wall_offset = max((row["wall_s"] for row in kept if "wall_s" in row), default=0.0)
+    run.row = writer.rows()[-1] if writer.rows() else {}
+    if done >= rounds:
+        extend = (
+            f"rerun with a larger --config.fed.rounds (> {done}) to extend it"
+            if config.optim.get("schedule", "constant") in ROUNDS_FREE_SCHEDULES
+            else f"optim.schedule={config.optim.schedule!r} decays over fed.rounds, so it "
+            "cannot be extended; start a new --workdir for a longer run"
+        )
+        print(
+            f"{workdir} holds a finished run (round {done} of fed.rounds={rounds}); {extend}.",
+            file=sys.stderr,
+        )
+    else:
+        print(f"Resumed from round {done} in {workdir}.", file=sys.stderr)
+    return done
