@@ -98,7 +98,7 @@ def _setup(args, num_clients: int, kind: str, directory: pathlib.Path):
         learning_rate=0.01,
         client_rows=kind != "device",
     )
-    inner = fed.make_round_fn(algorithm, model.loss_fn, batch_fn, config)
+    inner = fed.make_round_fn(algorithm, model.loss_fn, batch_fn, config, params=params)
     server = fed.init_server(
         algorithm,
         params,

@@ -59,11 +59,13 @@ class FedorthRunner:
             chunk_size=max(1, s // 2) if strategy == "chunked" else None,
             unroll=unroll,
         )
-        self.round_fn = fed.make_round_fn(self.algorithm, self.model.loss_fn, case.batch_fn, config)
-        self.asked = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}
-        self.settings = self._settings()
         x = data[0]
         self.params, model_state = self.model.init(jax.random.key(0), x[:2])
+        self.round_fn = fed.make_round_fn(
+            self.algorithm, self.model.loss_fn, case.batch_fn, config, params=self.params
+        )
+        self.asked = {"strategy": strategy, "conv_impl": conv_impl, "unroll": unroll}
+        self.settings = self._settings()
         # A sharded round reads its server state and data replicated on its mesh: placed once.
         self.fed_data = self.round_fn.place(fed_data)
         self.server = self.round_fn.place(

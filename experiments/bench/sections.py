@@ -74,6 +74,7 @@ def memory_section(*, num_clients: int, clients_per_round: int, quick: bool) -> 
             model.loss_fn,
             lambda d, c, k: sample_batch(d, c, k, batch_size),
             config,
+            params=params,
         )
         start = time.perf_counter()
         compiled = round_fn.lower(server, fed_data).compile()

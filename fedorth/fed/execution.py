@@ -67,8 +67,16 @@ def one_device_strategy() -> str:
     return "sequential" if _backend() == "cpu" else "vmap"
 
 
+# On CPU, "auto" keeps a round on one device once its local state factorizes matrices this large
+# on the host (resolve_strategy).
+SEQUENTIAL_HOST_MATRIX = 2048
+
+
 def resolve_strategy(
-    strategy: str, clients_per_round: int | None = None, convolutional: bool = False
+    strategy: str,
+    clients_per_round: int | None = None,
+    convolutional: bool = False,
+    host_matrix: int = 0,
 ) -> str:
     """The strategy ``"auto"`` stands for; the others unchanged.
 
@@ -89,6 +97,15 @@ def resolve_strategy(
     busy and whose summaries then cross devices (MLP 0.88-0.97x; docs/PERFORMANCE.md). The
     backend is ``jax.default_backend()`` at call time.
 
+    Except where host LAPACK is the round's work: on CPU, a round whose local state factorizes
+    ``n x n`` matrices on the host with ``n >= SEQUENTIAL_HOST_MATRIX`` (``host_matrix``, from
+    ``fedorth.optim.linalg.host_matrix_size``: SOAP's largest factor) stays ``"sequential"``, so
+    each ``eigh``/``qr`` gets every core. Two one-thread ``eigh`` side by side (one per device)
+    took 1.25x two two-thread ones in turn at n = 2048 and 1.6x at n = 3072-4096 (2-core Zen 3);
+    the FedPAC_SOAP round of the CNN (a 4096 factor) ran 1.33x faster sequential, while
+    LeNet-5's (largest factor 400) and ResNet-18's (width 0.25, 128) ran 1.42x faster sharded
+    (S = 4, K = 5; docs/PERFORMANCE.md).
+
     On one accelerator no rule holds for every model (H100, S = 10 x K = 10 FedAvg: vmap is
     0.38x sequential on ResNet-18, 1.9x on ViT-Tiny), so :func:`make_round_fn` times the
     candidates instead (:class:`MeasuredRoundFn`); ``"vmap"`` here is what it falls back to.
@@ -96,7 +113,9 @@ def resolve_strategy(
     if strategy != "auto":
         return strategy
     one_device = one_device_strategy()
-    if clients_per_round is None or (one_device == "sequential" and not convolutional):
+    if clients_per_round is None or (
+        one_device == "sequential" and (not convolutional or host_matrix >= SEQUENTIAL_HOST_MATRIX)
+    ):
         return one_device
     return "sharded" if _dividing_devices(clients_per_round) > 1 else one_device
 
@@ -229,11 +248,25 @@ def calls_host_lapack(algorithm: FedAlgorithm) -> bool:
     return linalg.state_refreshed_on_host(jax.eval_shape(algorithm.local_tx.init, probe))
 
 
-def fixed_strategy(algorithm: FedAlgorithm, loss_fn: Callable, config: RoundConfig) -> RoundConfig:
+def host_matrix_size(algorithm: FedAlgorithm, params: PyTree) -> int:
+    """The largest ``n x n`` matrix the algorithm's local state factorizes on the host for
+    ``params`` (``fedorth.optim.linalg.host_matrix_size``); 0 without ``params``."""
+    if params is None:
+        return 0
+    from fedorth.optim import linalg
+
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    return linalg.host_matrix_size(jax.eval_shape(algorithm.local_tx.init, shapes))
+
+
+def fixed_strategy(
+    algorithm: FedAlgorithm, loss_fn: Callable, config: RoundConfig, params: PyTree = None
+) -> RoundConfig:
     """``config`` with its strategy resolved (never ``"auto"``), checked against ``algorithm``.
 
     ``loss_fn``: a bound ``Model.loss_fn`` also tells ``"auto"`` whether the model is
-    convolutional (:func:`resolve_strategy`).
+    convolutional (:func:`resolve_strategy`). ``params`` (arrays or shapes; optional): the
+    model's parameters, which size the host LAPACK work of the local state on CPU.
     """
     convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
     # Through jax.pure_callback (linalg's fallback) host LAPACK hangs when every XLA:CPU pool
@@ -243,7 +276,10 @@ def fixed_strategy(algorithm: FedAlgorithm, loss_fn: Callable, config: RoundConf
     config = dataclasses.replace(
         config,
         strategy=resolve_strategy(
-            config.strategy, config.clients_per_round, convolutional and not host_lapack
+            config.strategy,
+            config.clients_per_round,
+            convolutional and not host_lapack,
+            host_matrix_size(algorithm, params),
         ),
     )
     devices = client_mesh(config).devices.size if config.strategy == "sharded" else 1

@@ -112,6 +112,7 @@ def make_round_fn(
     config: RoundConfig,
     *,
     timer: Callable[[], float] = time.perf_counter,
+    params: PyTree = None,
 ) -> RoundFn | MeasuredRoundFn:
     """Builds ``round_fn(server, data) -> (server, metrics)``, one jitted call per round.
 
@@ -125,6 +126,9 @@ def make_round_fn(
         the first round (``fed.autotune.MeasuredRoundFn``; with the convolution, for a
         convolutional model whose ``conv_impl`` is ``"auto"``).
       timer: the clock of that measurement (tests pass a fake).
+      params: the model's parameters (arrays or shapes), optional: on CPU, ``"auto"`` keeps a
+        round whose local state factorizes large matrices on the host on one device
+        (``fed.execution.resolve_strategy``); without them it cannot weigh that work.
 
     Returns:
       The round function (``RoundFn``, or ``MeasuredRoundFn`` for a measured ``"auto"``).
@@ -133,13 +137,13 @@ def make_round_fn(
     """
     convolutional = bool(getattr(getattr(loss_fn, "__self__", None), "convolutional", False))
     if not autotune.measures(config, convolutional):
-        config = execution.fixed_strategy(algorithm, loss_fn, config)
+        config = execution.fixed_strategy(algorithm, loss_fn, config, params)
         return RoundFn(round_body(algorithm, loss_fn, batch_fn, config), config)
     candidates = {}
     pairs = autotune.candidates(config, autotune.conv_impl_choice(loss_fn))
     for label, (strategy, conv_impl) in pairs.items():
         fixed = dataclasses.replace(config, strategy=strategy)
-        fixed = execution.fixed_strategy(algorithm, loss_fn, fixed)
+        fixed = execution.fixed_strategy(algorithm, loss_fn, fixed, params)
         body = round_body(algorithm, loss_fn, batch_fn, fixed)
         candidates[label] = RoundFn(body, fixed, conv_impl=conv_impl)
     return MeasuredRoundFn(candidates, config, timer=timer)

@@ -282,3 +282,24 @@ def state_refreshed_on_host(state) -> bool:
         return bool(getattr(type(node), "HOST_LAPACK", False))
 
     return any(marked(node) for node in jax.tree.leaves(state, is_leaf=marked))
+
+
+def host_matrix_size(state) -> int:
+    """The largest ``n`` of the ``n x n`` matrices that marked states (``HOST_LAPACK = True``)
+    hold, 0 when there are none: for SOAP, the largest factor its host ``eigh``/``qr`` take.
+
+    ``state`` may hold arrays or shapes (``jax.eval_shape``). The round engine weighs a round's
+    host LAPACK work by it (``fedorth.fed.execution.resolve_strategy``).
+    """
+
+    def marked(node) -> bool:
+        return bool(getattr(type(node), "HOST_LAPACK", False))
+
+    size = 0
+    for node in jax.tree.leaves(state, is_leaf=marked):
+        if marked(node):
+            for leaf in jax.tree.leaves(node):
+                shape = tuple(getattr(leaf, "shape", ()))
+                if len(shape) >= 2 and shape[-1] == shape[-2]:
+                    size = max(size, int(shape[-1]))
+    return size

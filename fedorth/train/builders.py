@@ -371,7 +371,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
             fed_privacy.check_model_state(model_state)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
+    round_fn = fed.make_round_fn(
+        algorithm, model.loss_fn, make_batch_fn(config), round_config, params=params
+    )
     # A sharded round (fed.strategy "auto" on several devices) reads the data replicated on its
     # mesh: placed once here, not copied every round.
     fed_data = round_fn.place(fed_data)
@@ -512,7 +514,9 @@ def dry_build(config: ml_collections.ConfigDict) -> DryBuild:
     model, params, model_state = _model_shapes(model_json, shape, jnp.dtype(dtype), num_classes)
     num_clients = int(config.data.num_clients)
     round_config = make_round_config(config)
-    round_fn = fed.make_round_fn(algorithm, model.loss_fn, make_batch_fn(config), round_config)
+    round_fn = fed.make_round_fn(
+        algorithm, model.loss_fn, make_batch_fn(config), round_config, params=params
+    )
     server = jax.eval_shape(
         lambda p, s, k: fed.init_server(
             algorithm, p, s, num_clients=num_clients, key=k, privacy=round_config.privacy
@@ -681,7 +685,11 @@ def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experime
     )
     round_config = dataclasses.replace(experiment.round_config, client_rows=True)
     inner = fed.make_round_fn(
-        experiment.algorithm, experiment.model.loss_fn, make_batch_fn(config), round_config
+        experiment.algorithm,
+        experiment.model.loss_fn,
+        make_batch_fn(config),
+        round_config,
+        params=experiment.params,
     )
     round_fn = stored_round.StoredRoundFn(inner, store, n, round_config.clients_per_round)
     return dataclasses.replace(
