@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from reliability_helpers import REPO, cli_env  # noqa: F401 -- a fixture
 
@@ -107,3 +108,21 @@ def test_the_run_command_records_the_sequential_round_of_a_large_soap_factor(tmp
     assert out.returncode == 0, out.stderr
     info = json.loads((workdir / "run_info.json").read_text())
     assert info["strategy"] == "sequential", info
+
+
+def test_the_benchs_host_eigh_pairs_time_the_same_decompositions_both_ways():
+    """``python -m experiments.bench round --micro`` times two host ``eigh`` in turn (every
+    core's thread each) and side by side (one thread each), the measurement behind
+    ``SEQUENTIAL_HOST_MATRIX``. Both ways compute the matrices' eigenvalues (float64 NumPy)."""
+    from experiments.bench.sections import host_eigh_pairs
+
+    rows = host_eigh_pairs((64, 96), repeats=1, keep_values=True)
+    assert [row["n"] for row in rows] == [64, 96]
+    for row in rows:
+        assert row["in_turn_s"] > 0 and row["side_by_side_s"] > 0
+        assert row["side_by_side_over_in_turn"] == row["side_by_side_s"] / row["in_turn_s"]
+        for i, m in enumerate(row["matrices"]):
+            assert m.dtype == np.float32 and np.array_equal(m, m.T)
+            expected = np.linalg.eigvalsh(m.astype(np.float64))
+            for values in row["eigenvalues"]:
+                np.testing.assert_allclose(values[i], expected, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,8 @@
 """Optional sections of the round benchmark: memory at N clients, XLA:CPU traps, scaling.
 
 ``--memory``: persistent per-client state and peak memory per strategy; ``--micro``: the client
-mean and convolution-in-a-loop measurements behind the engine's choices; ``--scaling``: the
-``sharded`` strategy on 1 and 2 host devices (subprocesses).
+mean, convolution-in-a-loop and host ``eigh`` measurements behind the engine's choices;
+``--scaling``: the ``sharded`` strategy on 1 and 2 host devices (subprocesses).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -140,7 +141,69 @@ def micro_section(*, repeats: int, quick: bool) -> dict[str, Any]:
         }
     out["conv_step_shape"] = [batch, side, side, c_in, c_out]
     out["conv_step_ms"] = conv_ms
+    out["host_eigh_pairs"] = host_eigh_pairs((64, 128) if quick else HOST_EIGH_SIZES, repeats)
     return out
+
+
+HOST_EIGH_SIZES = (512, 1024, 2048, 3072, 4096)
+
+
+def _spd(n: int, seed: int) -> np.ndarray:
+    """A float32 SOAP-like factor: a Gram matrix of n/8 directions plus a spread diagonal."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal((n, max(1, n // 8))).astype(np.float32)
+    m = g @ g.T / g.shape[1] + np.diag(rng.random(n, dtype=np.float32))
+    return (m + m.T) / 2  # exactly symmetric
+
+
+def host_eigh_pairs(sizes, repeats: int, keep_values: bool = False) -> list[dict[str, Any]]:
+    """Two host ``eigh`` (SciPy float32 ``ssyevd``, as ``fedorth.optim.linalg``) of n x n:
+    one after the other with every core's OpenBLAS thread each (a ``sequential`` round's calls)
+    against side by side, one thread each (a ``sharded`` round's, one per device), per n; the
+    faster of ``repeats`` tries each. ``fed.strategy="auto"`` keeps rounds whose local state
+    factorizes matrices from ``fed.execution.SEQUENTIAL_HOST_MATRIX`` on one device by these.
+    ``keep_values``: each row also holds the eigenvalues both ways computed (for tests)."""
+    import scipy.linalg
+    from threadpoolctl import threadpool_limits
+
+    cores = len(os.sched_getaffinity(0))
+
+    def eigh(m, out, i):
+        out[i] = scipy.linalg.eigh(m, driver="evd", check_finite=False)[0]
+
+    rows = []
+    for n in sizes:
+        pair = [_spd(n, 0), _spd(n, 1)]
+        in_turn, side_by_side = [], []
+        values = [None, None]
+        for _ in range(max(1, repeats)):
+            with threadpool_limits(cores, user_api="blas"):
+                start = time.perf_counter()
+                for i, m in enumerate(pair):
+                    eigh(m, values, i)
+                in_turn.append(time.perf_counter() - start)
+            together = [None, None]
+            with threadpool_limits(1, user_api="blas"):
+                threads = [
+                    threading.Thread(target=eigh, args=(m, together, i)) for i, m in enumerate(pair)
+                ]
+                start = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                side_by_side.append(time.perf_counter() - start)
+        rows.append(
+            {
+                "n": n,
+                "threads_in_turn": cores,
+                "in_turn_s": min(in_turn),
+                "side_by_side_s": min(side_by_side),
+                "side_by_side_over_in_turn": min(side_by_side) / min(in_turn),
+                **({"matrices": pair, "eigenvalues": (values, together)} if keep_values else {}),
+            }
+        )
+    return rows
 
 
 def cpu_devices_env(devices: int, environ=None) -> dict[str, str]:
