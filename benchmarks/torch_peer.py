@@ -54,6 +54,7 @@ and synchronizes before reading the clock.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -342,10 +343,23 @@ def soap_project_back(x: torch.Tensor, qs: list) -> torch.Tensor:
     return x
 
 
+# Seconds spent in torch.linalg's eigh and qr (SOAP's), summed over the calls: the bench reads it
+# around a round, as fedorth.optim.linalg.host_seconds on the other side.
+LINALG_SECONDS = [0.0]
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        LINALG_SECONDS[0] += time.perf_counter() - start
+
+
 def soap_eigenbasis(gg: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of a factor, largest eigenvalue first."""
     eye = torch.eye(gg.shape[0], dtype=gg.dtype, device=gg.device)
-    return torch.flip(torch.linalg.eigh(gg + 1e-30 * eye)[1], dims=[1])
+    return torch.flip(_timed(torch.linalg.eigh, gg + 1e-30 * eye)[1], dims=[1])
 
 
 class SOAP(DirectionOptimizer):
@@ -432,7 +446,7 @@ class SOAP(DirectionOptimizer):
             power = gg @ q
             order = torch.argsort((q * power).sum(0), descending=True)
             exp_avg_sq = exp_avg_sq.index_select(axis, order)
-            new_qs.append(torch.linalg.qr(power[:, order])[0])
+            new_qs.append(_timed(torch.linalg.qr, power[:, order])[0])
         state["Q"], state["exp_avg_sq"] = new_qs, exp_avg_sq
         state["exp_avg"] = soap_project(exp_avg, new_qs)
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -612,6 +613,36 @@ def test_lapack_threads_rows_lower_their_round_with_their_count(monkeypatch):
     assert seen and set(seen) == {2}, seen
     assert runner.settings["lapack_threads"] == "2"
     assert os.environ.get("FEDORTH_LAPACK_THREADS") == "1", "the row's count was left set"
+
+
+def test_rows_count_the_seconds_of_their_host_lapack_calls():
+    """A FedPAC_SOAP row's ``lapack_s`` is the median over its timed rounds of the seconds its
+    host eigh calls took (each client's update-free call, the server's basis), never more than
+    the round; a FedAvg row, which makes none, has no such field. The clock counts what a call
+    takes: an eager host eigh adds more than 0 and at most the wall time around it."""
+    from fedorth.optim import linalg
+
+    before = linalg.host_seconds()
+    start = time.perf_counter()
+    linalg.eigh(jnp.eye(64, dtype=jnp.float32))[1].block_until_ready()
+    wall = time.perf_counter() - start
+    assert 0 < linalg.host_seconds() - before <= wall
+    rows = {}
+    for algorithm in ("fedpac_soap", "fedavg"):
+        case = workloads.Case("mlp_small", algorithm, 2, 2, 8)
+        data, fed_data = workloads.case_data(case)
+        runner = runners.FedorthRunner(
+            case, data, fed_data, strategy="sequential", conv_impl=None, unroll=1
+        )
+        runner.warmup()
+        times = [runner.run() for _ in range(3)]
+        rows[algorithm] = (runner.finish(), times)
+    soap, times = rows["fedpac_soap"]
+    assert len(soap["lapack_s_all"]) == 3
+    assert soap["lapack_s"] == statistics.median(soap["lapack_s_all"])
+    for seconds, round_s in zip(soap["lapack_s_all"], times, strict=True):
+        assert 0 < seconds <= round_s
+    assert "lapack_s" not in rows["fedavg"][0]
 
 
 def _fedorth_soap_rounds(grads, lr, per_round, **kwargs):

@@ -33,13 +33,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ("B", "{}"),
         ("dtype", "{}"), ("impl", "{}"), ("strategy", "{}"), ("conv", "{}"), ("unroll", "{}"),
         ("lapack", "{}"),
-        ("steps/s", "{:.2f}"), ("img/s", "{:.0f}"), ("round ms", "{:.0f}"),
+        ("steps/s", "{:.2f}"), ("img/s", "{:.0f}"), ("round ms", "{:.0f}"), ("LAPACK s", "{:.2f}"),
         ("compile s", "{:.1f}"), ("peak MB", "{:.1f}"),
         ("GFLOP/s", "{:.1f}"), ("%matmul", "{:.0%}"), ("×torch", "{:.2f}"), ("×jax_loop", "{:.2f}"),
     ]  # fmt: skip
     keys = {
         "S": "clients_per_round", "K": "local_steps", "B": "batch_size", "conv": "conv_impl",
-        "lapack": "lapack_threads",
+        "lapack": "lapack_threads", "LAPACK s": "lapack_s",
         "img/s": "images_per_s",
         "steps/s": "client_steps_per_s", "compile s": "compile_s", "GFLOP/s": "gflops",
         "%matmul": "fraction_of_matmul", "×torch": "speedup_vs_torch",

@@ -53,7 +53,10 @@ Sections (experiments/bench/sections.py): ``--memory`` (persistent per-client st
 N = 1000 and peak memory per strategy), ``--micro`` (the XLA:CPU traps: client-axis mean, a
 convolution's gradient inside a loop), ``--scaling`` (``sharded`` on 1 vs 2 host devices).
 
-Columns: client-steps/s = S·K / round time; img/s = S·K·B / round time; compile s; peak MB: the
+Columns: client-steps/s = S·K / round time; img/s = S·K·B / round time; LAPACK s: the seconds of
+a round (median) spent in SOAP's ``eigh``/``qr`` and other dense decompositions, fedorth's host
+calls (``fedorth.optim.linalg.host_seconds``) or the peer's ``torch.linalg`` ones (summed over
+calls: two side by side, one per device, count twice); compile s; peak MB: the
 row's own round (XLA's ``memory_analysis`` of the compiled round: arguments + outputs − aliased
 (donated) + temporaries), with ``--isolate`` on a GPU the row's process's device peak
 (``memory_stats``; torch rows: ``torch.cuda.max_memory_allocated``); persistent bytes per client

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import os
 import pathlib
+import statistics
 import sys
 import time
 from typing import Any
@@ -33,6 +34,15 @@ from fedorth.optim import linalg
 TORCH_PEER = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "torch_peer.py"
 
 
+def lapack_seconds(per_round: list[float]) -> dict[str, Any]:
+    """``lapack_s``: the median seconds per timed round spent in SOAP's ``eigh``/``qr`` (and any
+    other dense decomposition): fedorth's host LAPACK calls (``linalg.host_seconds``), the
+    peer's ``torch.linalg`` calls; absent when a round makes none."""
+    if not per_round or not any(per_round):
+        return {}
+    return {"lapack_s": statistics.median(per_round), "lapack_s_all": list(per_round)}
+
+
 class FedorthRunner:
     """One jitted round per call (``fed.make_round_fn``)."""
 
@@ -43,6 +53,7 @@ class FedorthRunner:
     ):
         self.case, self.fed_data = case, fed_data
         self.conv_impl = conv_impl
+        self.lapack_s: list[float] = []  # host LAPACK seconds of each timed round
         # FEDORTH_LAPACK_THREADS while the round is lowered (None: the environment's); the
         # host calls keep the count they were lowered with (fedorth.optim.linalg).
         self.lapack_threads = lapack_threads
@@ -155,14 +166,20 @@ class FedorthRunner:
         }
 
     def run(self) -> float:
+        host = linalg.host_seconds()
         start = time.perf_counter()
         self.server, _ = self.round_fn(self.server, self.fed_data)
         jax.block_until_ready(self.server)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.lapack_s.append(linalg.host_seconds() - host)
+        return elapsed
 
     def finish(self) -> dict[str, Any]:
         # Entries added to the jitted round's cache after round 1: 0 means no recompilation.
-        return {"recompiles": self.round_fn._cache_size() - self._cache_size}
+        return {
+            "recompiles": self.round_fn._cache_size() - self._cache_size,
+            **lapack_seconds(self.lapack_s),
+        }
 
 
 class TorchRunner:
@@ -173,7 +190,8 @@ class TorchRunner:
         import torch
 
         self.kind = "torch_amp" if amp else "torch"
-        peer_lib = load_torch_peer()
+        peer_lib = self.peer_lib = load_torch_peer()
+        self.lapack_s: list[float] = []
         torch.set_num_threads(cpu_threads())
         self.device = torch_device()
         where = "" if self.device == "cpu" else f" ({self.device})"
@@ -211,22 +229,28 @@ class TorchRunner:
         # performance-minded user does; set per round, since both peers may share a process.
         torch.backends.cudnn.benchmark = self.kind == "torch_amp"
         self.peer.synchronize()
+        linalg_s = self.peer_lib.LINALG_SECONDS[0]
         start = time.perf_counter()
         self.peer.run_round()
         self.peer.synchronize()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.lapack_s.append(self.peer_lib.LINALG_SECONDS[0] - linalg_s)
+        return elapsed
 
     def warmup(self) -> dict[str, Any]:
-        return {"first_round_s": self.run(), "num_params": self.num_params}
+        first = self.run()
+        self.lapack_s.clear()  # the timed rounds' only
+        return {"first_round_s": first, "num_params": self.num_params}
 
     def finish(self) -> dict[str, Any]:
+        out = lapack_seconds(self.lapack_s)
         if self.device != "cuda":
-            return {}
+            return out
         import torch
 
         # The peer's own peak (reset when it was built): torch's caching allocator counts it.
         peak = int(torch.cuda.max_memory_allocated())
-        return {"memory": {"source": "torch.cuda.max_memory_allocated", "peak_bytes": peak}}
+        return {**out, "memory": {"source": "torch.cuda.max_memory_allocated", "peak_bytes": peak}}
 
 
 def torch_device() -> str:

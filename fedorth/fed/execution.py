@@ -101,10 +101,11 @@ def resolve_strategy(
     ``n x n`` matrices on the host with ``n >= SEQUENTIAL_HOST_MATRIX`` (``host_matrix``, from
     ``fedorth.optim.linalg.host_matrix_size``: SOAP's largest factor) stays ``"sequential"``, so
     each ``eigh``/``qr`` gets every core. Two one-thread ``eigh`` side by side (one per device)
-    took 1.25x two two-thread ones in turn at n = 2048 and 1.6x at n = 3072-4096 (2-core Zen 3);
-    the FedPAC_SOAP round of the CNN (a 4096 factor) ran 1.33x faster sequential, while
-    LeNet-5's (largest factor 400) and ResNet-18's (width 0.25, 128) ran 1.42x faster sharded
-    (S = 4, K = 5; docs/PERFORMANCE.md).
+    took 1.28-1.38x the time of two two-thread ones in turn at n = 512-1024, 1.54x at n = 2048
+    and 1.60-1.73x at n = 3072-4096 (2-core Zen 3, ``python -m experiments.bench round --micro``);
+    the convolutions' gain from sharding outweighs that below 2048: the FedPAC_SOAP round of the
+    CNN (a 4096 factor) ran 1.33x faster sequential, while LeNet-5's (largest factor 400) and
+    ResNet-18's (width 0.25, 128) ran 1.42x faster sharded (S = 4, K = 5; docs/PERFORMANCE.md).
 
     On one accelerator no rule holds for every model (H100, S = 10 x K = 10 FedAvg: vmap is
     0.38x sequential on ResNet-18, 1.9x on ViT-Tiny), so :func:`make_round_fn` times the

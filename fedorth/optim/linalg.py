@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import jax
 import jax.extend.core
@@ -183,8 +184,29 @@ def _host(fn, out_shapes, x):
     )
 
 
+_SECONDS = [0.0]  # host_seconds()
+_SECONDS_LOCK = threading.Lock()
+
+
+def host_seconds() -> float:
+    """Seconds this process has spent in host LAPACK calls of this module (on CPU), summed over
+    the calls (two calls side by side, one per device, count twice). The bench reads it around a
+    round to say how much of the round they are."""
+    return _SECONDS[0]
+
+
 def _each_matrix(fn, x) -> tuple[np.ndarray, ...]:
     """Applies ``fn`` (matrix -> tuple of arrays) to each matrix of ``[..., m, n]``; stacks."""
+    start = time.perf_counter()
+    try:
+        return _each_matrix_untimed(fn, x)
+    finally:
+        elapsed = time.perf_counter() - start
+        with _SECONDS_LOCK:
+            _SECONDS[0] += elapsed
+
+
+def _each_matrix_untimed(fn, x) -> tuple[np.ndarray, ...]:
     x = np.asarray(x)
     if x.dtype not in (np.float32, np.float64):  # e.g. bfloat16: LAPACK has no such routines
         x = x.astype(np.float32)
