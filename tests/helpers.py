@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import re
 
 import jax
 
@@ -48,3 +49,18 @@ def blas_threads_seen(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(linalg, "_np_eigh", spy)
     return seen
+
+
+# Gloo's log line when a process of a two-process run connects. Its threads can write two of them
+# into one another ("[Gloo] Rank [Gloo] Rank 1 is connected ... : 1" then "1 is connected ...").
+_GLOO_CONNECTED = re.compile(
+    r"(\[Gloo\] )*(Rank )?\d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+
+
+def process_lines(output: str) -> list[str]:
+    """A command's own lines: without the progress bar's lines ("[###...] round r/R ..."), Gloo's
+    "[Gloo] Rank ..." log lines, whole or written into one another, and empty lines."""
+    output = _GLOO_CONNECTED.sub("", output)
+    return [line for line in output.splitlines() if line.strip() and not line.startswith("[")]

@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import process_lines
 from test_reliability import apply
 
 from configs import fedavg
@@ -232,7 +233,7 @@ def test_a_lost_process_stops_the_other_in_seconds_with_one_line(tmp_path, xla_c
         _stop(processes)
     output = log.read_text()
     # What is left after the progress lines ("[###...] round r/R ...", gloo's "[Gloo] Rank ...").
-    lines = [line for line in output.splitlines() if line and not line.startswith("[")]
+    lines = process_lines(output)
     assert processes[survivor].returncode == 1, output[-3000:]
     assert len(lines) == 1, output[-3000:]
     assert lines[0].startswith(
@@ -566,7 +567,7 @@ def test_a_strategy_of_one_device_is_refused_on_two_processes_in_one_line(tmp_pa
         _stop(processes)
     for i, p in enumerate(processes):
         output = (tmp_path / f"process_{i}.log").read_text()
-        lines = [line for line in output.splitlines() if line and not line.startswith("[")]
+        lines = process_lines(output)
         assert p.returncode == 2, output[-3000:]
         assert lines == [
             "error: Invalid config:",

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import process_lines
 from test_distributed import _env, _free_port, _stop, _wait_for_line
 
 from configs import fedavg
@@ -233,7 +234,7 @@ def test_processes_given_other_grids_are_refused_in_one_line(tmp_path, xla_cache
         "every process with the same command."
     )
     for p, output in zip(processes, outputs, strict=True):
-        lines = [line for line in output.splitlines() if line and not line.startswith("[")]
+        lines = process_lines(output)
         assert p.returncode == 2, output[-3000:]
         assert lines == [message], output[-3000:]
     assert message in (ROOT / "docs" / "ERRORS.md").read_text()

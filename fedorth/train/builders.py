@@ -689,7 +689,7 @@ def with_client_store(experiment: Experiment, workdir: pathlib.Path) -> Experime
         experiment.model.loss_fn,
         make_batch_fn(config),
         round_config,
-        params=experiment.params,
+        params=experiment.init_params,
     )
     round_fn = stored_round.StoredRoundFn(inner, store, n, round_config.clients_per_round)
     return dataclasses.replace(
