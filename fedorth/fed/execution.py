@@ -280,7 +280,7 @@ def fixed_strategy(
             config.strategy,
             config.clients_per_round,
             convolutional and not host_lapack,
-            host_matrix_size(algorithm, params),
+            host_matrix_size(algorithm, params) if config.strategy == "auto" else 0,
         ),
     )
     devices = client_mesh(config).devices.size if config.strategy == "sharded" else 1
