@@ -254,8 +254,8 @@ def _np_soap(data, aligned: str):
 def test_fedpac_soap_matches_alg2_with_alg5(x64, aligned):
     """FedPAC_SOAP, 3 rounds of 3 of 4 clients, K = 3, f = 4 (refreshes at global steps 4 and
     8, inside rounds 1 and 2): params, g_G and the drift (Eq. 7 over L, R; the stacked path of
-    SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged, Q rebuilt
-    from them by eigh, m and v from zero, each round's first step update-free (it adds the
+    SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged (the
+    server rebuilds no Q, which no client reads), m and v from zero, each round's first step update-free (it adds the
     gradient to L, R and rebuilds Q by eigh, as Local SOAP's first step does) and t restarting
     at 1 on the second, the refresh counted over the whole training; ``"state"``: m, v averaged
     too (the only update-free step is training's first), and the old code path's params
@@ -280,6 +280,55 @@ def test_fedpac_soap_matches_alg2_with_alg5(x64, aligned):
     assert int(soap_state.count) == ROUNDS * K  # the shared counter runs over rounds
     other = _np_soap(data, "state" if aligned == "theta" else "theta")[0][0]
     assert np.max(np.abs(other - w)) > 1e-4, "the modes must differ on this problem"
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+def test_theta_rounds_without_the_servers_bases_give_the_same_parameters(monkeypatch, strategy):
+    """Under Θ alignment the server's average leaves SOAP's bases and moments at zeros
+    (``Global.read_mask``: a client starts them from ``init``, and its update-free call rebuilds
+    Q): three rounds give bit for bit the parameters, g_G and metrics of rounds whose server
+    rebuilds Q by eigh and rotates the moments as with the whole state (``read_mask`` -> None),
+    float32 as users run it."""
+    from fedorth.fed import start
+
+    data = _diagonal_clients()
+
+    def rounds():
+        with jax.enable_x64(False):
+            alg = fed.get_algorithm("fedpac_soap", SOAP, beta=BETA)
+            settings = dict(num_clients=N, clients_per_round=S, local_steps=K, learning_rate=LR)
+            x0 = {k: jnp.asarray(v, jnp.float32) for k, v in _x0().items()}
+            return fp.run_rounds(alg, data, rounds=ROUNDS, params=x0, strategy=strategy, **settings)
+
+    skipped, skipped_metrics = rounds()
+    monkeypatch.setattr(start.Global, "read_mask", lambda self, opt_state: None)
+    whole, whole_metrics = rounds()
+    for name in ("params", "global_direction"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(skipped, name)),
+            jax.tree.leaves(getattr(whole, name)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    for got, want in zip(skipped_metrics, whole_metrics, strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), key)
+
+    def soap_of(server):
+        (state,) = [
+            x
+            for x in jax.tree.leaves(server.opt_state, is_leaf=lambda x: isinstance(x, SoapState))
+            if isinstance(x, SoapState)
+        ]
+        return state
+
+    for a, b in zip(
+        jax.tree.leaves(soap_of(skipped).GG), jax.tree.leaves(soap_of(whole).GG), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not any(np.any(np.asarray(q)) for q in jax.tree.leaves(soap_of(skipped).Q))
+    assert all(np.any(np.asarray(q)) for q in jax.tree.leaves(soap_of(whole).Q))
 
 
 def test_light_upload_compresses_theta_only():

@@ -844,3 +844,67 @@ def test_optax_map_params_walks_soap_state():
         np.testing.assert_array_equal(np.asarray(plus.exp_avg_sq[k]), 2.0)
     for a, b in zip(jax.tree.leaves(plus.GG), jax.tree.leaves(state[0].GG), strict=True):
         assert a is b
+
+
+def test_theta_mask_average_skips_the_bases_and_moments_no_client_reads(x64):
+    """Under FedPAC's Θ alignment the server's average holds only what a client reads
+    (``soap_align_mask``: the factors and ``count``): the factors are the same means as the whole
+    average's, and the bases and moments are ``init``'s zeros, without the ``eigh`` of each
+    averaged factor (counted in the traced program: the whole average makes one per rotated
+    factor, the masked one none)."""
+    from fedorth.optim import linalg
+    from fedorth.optim.soap import soap_align_mask
+
+    _, shapes, state_C = client_states()
+    mask = soap_align_mask(jax.tree.map(lambda x: x[0] if x.ndim else x, state_C))
+    assert not any(jax.tree.leaves(mask.Q)), "a client's update-free call rebuilds Q"
+    whole = fast_jit(federated.average_states)(state_C)
+    masked = fast_jit(lambda s: federated.average_states(s, mask))(state_C)
+    for a, b in zip(jax.tree.leaves(whole.GG), jax.tree.leaves(masked.GG), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(masked.count) == int(whole.count)
+    for field in ("Q", "exp_avg", "exp_avg_sq"):
+        shapes_whole = [x.shape for x in jax.tree.leaves(getattr(whole, field))]
+        leaves = jax.tree.leaves(getattr(masked, field))
+        assert [x.shape for x in leaves] == shapes_whole, field
+        assert all(not np.any(np.asarray(x)) for x in leaves), field
+
+    def eighs(fn, *args) -> int:
+        def count(jaxpr) -> int:
+            total = 0
+            for eqn in jaxpr.eqns:
+                total += eqn.primitive.name == "eigh" or (
+                    eqn.primitive.name == "fedorth_host_lapack"
+                    and eqn.params["fn"] is linalg._np_eigh
+                )
+                for sub in jax.core.jaxprs_in_params(eqn.params):
+                    total += count(sub)
+            return total
+
+        return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+    rotated = sum(q is not None for q in jax.tree.leaves(state_C.GG, is_leaf=lambda x: x is None))
+    assert rotated > 0
+    assert eighs(federated.average_states, state_C) == rotated
+    assert eighs(lambda s: federated.average_states(s, mask), state_C) == 0
+
+
+@pytest.mark.parametrize("q_axis", [0, 1])
+def test_wide_bases_rotate_by_row_major_products(q_axis):
+    """A basis of at least ``ROW_MAJOR_BASIS`` rows rotates a gradient on CPU through
+    ``optimization_barrier``-kept transposes (row-major GEMMs, 2-3x faster than ``tensordot``'s
+    on XLA:CPU), to the float64 NumPy product at float32 rounding; a narrower one keeps
+    ``tensordot`` (its rounding, and the golden fingerprints of small problems, unchanged)."""
+    from fedorth.optim.soap import ROW_MAJOR_BASIS
+
+    rng = np.random.default_rng(0)
+    for d, wide in ((ROW_MAJOR_BASIS, True), (ROW_MAJOR_BASIS - 1, False)):
+        x = rng.standard_normal((d, 3, 5)).astype(np.float32)
+        q = np.linalg.qr(rng.standard_normal((d, d)))[0].astype(np.float32)
+        fn = project if q_axis == 0 else project_back
+        text = jax.jit(lambda x, q, fn=fn: fn(x, (q, None, None))).lower(x, q).as_text()
+        assert ("optimization_barrier" in text) == wide, (d, q_axis)
+        got = np.asarray(jax.jit(lambda x, q, fn=fn: fn(x, (q,)))(x, q))
+        want = np.tensordot(x.astype(np.float64), q.astype(np.float64), axes=((0,), (q_axis,)))
+        assert got.shape == want.shape == (3, 5, d)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

@@ -110,7 +110,8 @@ def server_opt_state(
             metrics["precond_drift"] = stats["m2"]["opt_state"] / s
     elif algorithm.start.averaged:
         states = stacked["opt_state"]
-        new = new.replace(opt_state=fed_optim.average_states(states))
+        average = fed_optim.average_states(states, algorithm.start.read_mask(states))
+        new = new.replace(opt_state=average)
         metrics.update(
             fed_metrics.preconditioner_drift(states, mask=drift.drift_mask, spectral=drift.spectral)
         )

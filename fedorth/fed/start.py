@@ -20,6 +20,9 @@ The contract the round calls (every spec of this axis has these):
   compressed; the drift metric and the reports read it too) and what it keeps (or None);
 * ``averaged``: the server averages the uploaded states (``ServerState.opt_state``);
 * ``aligned_mask(opt_state)``: the averaged leaves (None: all), the preconditioner drift's;
+* ``read_mask(opt_state)``: the leaves of the server's averaged state that a client reads
+  (None: all); the server's average may leave the others at ``init``'s zeros
+  (``fedorth.optim.federated.average_states``);
 * ``comm_bytes(server) -> (up, down)``: the bytes of the states sent each way per client.
 
 Integer schedule counters belong in no ``mask`` or ``keep`` of their own: they are shared by
@@ -99,6 +102,9 @@ class Reset:
     def aligned_mask(self, opt_state):
         del opt_state
 
+    def read_mask(self, opt_state):
+        del opt_state
+
     def comm_bytes(self, server) -> tuple[int, int]:
         return _uploaded_bytes(server, None, None) if self.averaged else (0, 0)
 
@@ -169,6 +175,10 @@ class Global:
     def aligned_mask(self, opt_state):
         return None if self.mask is None else self.mask(opt_state)
 
+    def read_mask(self, opt_state):
+        # client_start takes the masked leaves from the server and the others from init.
+        return self.aligned_mask(opt_state)
+
     def comm_bytes(self, server) -> tuple[int, int]:
         return _uploaded_bytes(server, self.mask, self.compression)
 
@@ -211,6 +221,10 @@ class Persistent:
 
     def aligned_mask(self, opt_state):
         return None if self.mask is None else self.mask(opt_state)
+
+    def read_mask(self, opt_state):
+        # The average is an observation of the clients, read whole.
+        del opt_state
 
     def comm_bytes(self, server) -> tuple[int, int]:
         if not self.averaged:

@@ -42,6 +42,7 @@ _AVERAGE_RULES: dict[type, Callable[[Any], Any]] = {}
 _UPLOAD_MASKS: dict[type, Callable[[Any], Any]] = {}
 _THETA_MASKS: dict[type, Callable[[Any], Any]] = {}
 _ALIGN_MASKS: dict[type, Callable[[Any], Any]] = {}
+_PARTIAL_RULES: set[type] = set()  # rules that take mask= (register_average(partial=True))
 
 
 def register_average(
@@ -51,6 +52,7 @@ def register_average(
     upload_mask: Callable[[Any], Any] | None = None,
     theta_mask: Callable[[Any], Any] | None = None,
     align_mask: Callable[[Any], Any] | None = None,
+    partial: bool = False,
 ) -> None:
     """Registers how states of ``state_type`` are averaged, uploaded, and what their Θ is.
 
@@ -66,9 +68,15 @@ def register_average(
         preconditioner drift of its Def. 1 / Eq. 7 is measured over (:func:`theta_mask`).
       align_mask: ``align_mask(state) -> pytree of bools``: the leaves FedPAC's Θ alignment
         warm-starts from the server's averaged state (:func:`align_mask`); default: ``Θ``.
+      partial: ``rule`` also takes ``mask=``, a pytree of bools like the state: the leaves the
+        server's state must hold (:func:`average_states`). The others are read by no client (a
+        FedPAC client starts them from ``init``), so the rule may leave them at ``init``'s zeros
+        instead of computing them (SOAP: no ``eigh`` of the averaged factors).
     """
     if rule is not None:
         _AVERAGE_RULES[state_type] = rule
+        if partial:
+            _PARTIAL_RULES.add(state_type)
     if upload_mask is not None:
         _UPLOAD_MASKS[state_type] = upload_mask
     if theta_mask is not None:
@@ -221,7 +229,7 @@ def mean_leaf(x: jax.Array) -> jax.Array:
     return x[0]
 
 
-def average_states(states_C: PyTree) -> PyTree:
+def average_states(states_C: PyTree, mask: PyTree | None = None) -> PyTree:
     """Averages a client-stacked optimizer state ``[S, ...]`` into one state.
 
     Float leaves are averaged over the leading axis, integer leaves (shared schedule counters) are
@@ -230,17 +238,34 @@ def average_states(states_C: PyTree) -> PyTree:
 
     Args:
       states_C: a pytree whose leaves carry a leading client axis.
+      mask: ``None`` (every leaf is averaged), or a pytree of bools like the state (without the
+        client axis's meaning: :func:`align_mask` of it): the leaves the result must hold. Rules
+        registered with ``partial=True`` receive their node's part and may leave the other
+        leaves at ``init``'s zeros (SOAP: the bases and moments, which FedPAC's Θ alignment
+        restarts, are then neither rebuilt nor rotated); every other leaf is averaged as without
+        a mask. The engine passes the mask of a warm start that reads only part of the state
+        (``fedorth.fed.start.Global.mask``).
 
     Returns:
       The averaged state, with the client axis removed.
     """
+    if mask is None:
 
-    def go(node):
+        def go(node):
+            if _is_registered(node):
+                return _AVERAGE_RULES[type(node)](node)
+            return mean_leaf(node)
+
+        return jax.tree.map(go, states_C, is_leaf=_is_registered)
+
+    def go_masked(node, node_mask):
         if _is_registered(node):
+            if type(node) in _PARTIAL_RULES:
+                return _AVERAGE_RULES[type(node)](node, mask=node_mask)
             return _AVERAGE_RULES[type(node)](node)
         return mean_leaf(node)
 
-    return jax.tree.map(go, states_C, is_leaf=_is_registered)
+    return jax.tree.map(go_masked, states_C, mask, is_leaf=_is_registered)
 
 
 def float_leaves_mask(tree: PyTree) -> PyTree:

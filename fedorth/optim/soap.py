@@ -69,6 +69,8 @@ from fedorth.optim import federated, linalg
 
 PyTree = Any
 _HIGHEST = lax.Precision.HIGHEST
+# Bases this wide or wider rotate gradients by row-major GEMMs on CPU (`_rotate_leading`).
+ROW_MAJOR_BASIS = 1024
 
 
 class SoapState(NamedTuple):
@@ -132,21 +134,49 @@ def _layout(shape, *, max_precond_dim, merge_dims, precondition_1d):
 def project(x: jax.Array, qs: tuple) -> jax.Array:
     """Rotates ``x`` (working shape) into the eigenbasis: ``x ×_1 Q_1ᵀ ··· ×_k Q_kᵀ``."""
     for q in qs:
-        if q is None:
-            x = jnp.moveaxis(x, 0, -1)
-        else:
-            x = jnp.tensordot(x, q.astype(x.dtype), axes=((0,), (0,)), precision=_HIGHEST)
+        x = jnp.moveaxis(x, 0, -1) if q is None else _rotate_leading(x, q.astype(x.dtype), 0)
     return x
 
 
 def project_back(x: jax.Array, qs: tuple) -> jax.Array:
     """Rotates ``x`` back to the original space: ``x ×_1 Q_1 ··· ×_k Q_k``."""
     for q in qs:
-        if q is None:
-            x = jnp.moveaxis(x, 0, -1)
-        else:
-            x = jnp.tensordot(x, q.astype(x.dtype), axes=((0,), (1,)), precision=_HIGHEST)
+        x = jnp.moveaxis(x, 0, -1) if q is None else _rotate_leading(x, q.astype(x.dtype), 1)
     return x
+
+
+def _rotate_leading(x: jax.Array, q: jax.Array, q_axis: int) -> jax.Array:
+    """``tensordot(x, q, ((0,), (q_axis,)))``: contracts ``x``'s leading axis with ``q``'s rows
+    (``q_axis = 0``, ``Qᵀ`` applied) or columns (``q_axis = 1``, ``Q`` applied); the new axis
+    comes last.
+
+    On CPU the product is formed as a plain row-major GEMM: ``x``'s rows ``[d, rest]`` are
+    transposed into ``[rest, d]`` before ``@ Q`` (``q_axis = 0``), and ``Q @ [d, rest]`` is
+    transposed after (``q_axis = 1``), each transpose kept as its own copy by
+    ``lax.optimization_barrier`` (XLA would otherwise fold it back into the dot). XLA:CPU runs
+    ``tensordot``'s transposed-operand GEMMs 2-3x slower: a ``[4096, 384]`` gradient rotated by a
+    ``4096²`` basis took 160 / 270 ms (``Qᵀ`` / ``Q``) against 100 / 82 ms this way
+    (docs/PERFORMANCE.md). The sums are the same products in another order, so the results
+    differ from ``tensordot``'s in float rounding. Only for bases of at least
+    :data:`ROW_MAJOR_BASIS` (1024) rows: below, the two forms were within ±20% of each other
+    (``d = 128``-``384``), and ``tensordot`` is kept. Other backends keep ``tensordot``.
+    """
+
+    def default(x, q):
+        return jnp.tensordot(x, q, axes=((0,), (q_axis,)), precision=_HIGHEST)
+
+    if x.shape[0] < ROW_MAJOR_BASIS:
+        return default(x, q)
+
+    def cpu(x, q):
+        rows = x.reshape(x.shape[0], -1)
+        if q_axis == 0:
+            out = jnp.dot(lax.optimization_barrier(rows.T), q, precision=_HIGHEST)
+        else:
+            out = lax.optimization_barrier(jnp.dot(q, rows, precision=_HIGHEST)).T
+        return out.reshape(*x.shape[1:], q.shape[1 - q_axis])
+
+    return lax.platform_dependent(x, q, cpu=cpu, default=default)
 
 
 def _compute_dtype(*dtypes) -> jnp.dtype:
@@ -508,7 +538,7 @@ def soap(
 # ----------------------------------------------------------------------------- federated
 
 
-def average_soap_states(state_C: SoapState) -> SoapState:
+def average_soap_states(state_C: SoapState, mask: SoapState | None = None) -> SoapState:
     r"""Averages client SOAP states over the leading client axis (FedPAC_SOAP alignment).
 
     .. math::
@@ -527,13 +557,23 @@ def average_soap_states(state_C: SoapState) -> SoapState:
     during the round, each sorted by decreasing eigenvalue like the rebuilt basis.
 
     FedPAC (Liu et al.) Alg. 5 (FedPAC_SOAP) with the alignment step of Alg. 2 line 16. With
-    FedPAC's default Θ alignment (:func:`soap_align_mask`) only the factors and the rebuilt bases
-    (and ``count``) reach the clients; the averaged moments matter for ``fed.options.aligned=
-    "state"`` (the whole state, a fedorth extension).
+    FedPAC's default Θ alignment (:func:`soap_align_mask`) only the factors (and ``count``)
+    reach the clients; the rebuilt bases and the averaged moments matter for
+    ``fed.options.aligned="state"`` (the whole state, a fedorth extension).
+
+    Under Θ alignment (``mask``: :func:`soap_align_mask`, the factors and ``count``) no client
+    reads the server's bases or moments: each client's round opens with the update-free call,
+    which rebuilds ``Q`` from the aligned factors plus its first gradient, and restarts ``m, v``.
+    They are then not computed and hold ``init``'s zeros: no ``eigh`` of the averaged factors,
+    no rotation of the moments (one ``eigh`` per factor and round fewer than with the whole
+    state; docs/FIDELITY.md).
 
     Args:
       state_C: a :class:`SoapState` whose array leaves carry a leading client axis; ``count`` and
         ``moment_count`` may be shared scalars or stacked (then client 0's are taken).
+      mask: ``None`` (the whole state), or a :class:`SoapState` of bools: the fields the result
+        must hold (``federated.average_states``); ``Q``, ``exp_avg`` and ``exp_avg_sq`` are
+        computed only where some of their leaves are selected, else zeros.
 
     Returns:
       The server's :class:`SoapState`, without the client axis.
@@ -541,21 +581,32 @@ def average_soap_states(state_C: SoapState) -> SoapState:
     shared = lambda c: c if c.ndim == 0 else c[0]  # noqa: E731
     treedef = jax.tree.structure(state_C.exp_avg)
     mean = federated.mean_over_clients  # jnp.mean(x, axis=0), fast on XLA:CPU too
+    zeros = lambda x: jnp.zeros(x.shape[1:], x.dtype)  # noqa: E731  (init's, per client)
+
+    def needed(field: str) -> bool:
+        return mask is None or any(jax.tree.leaves(getattr(mask, field)))
+
     mus_C = treedef.flatten_up_to(state_C.exp_avg)
     qs_C = treedef.flatten_up_to(state_C.Q)
     ggs = [
         tuple(None if f is None else mean(f) for f in fs)
         for fs in treedef.flatten_up_to(state_C.GG)
     ]
-    qs = [_eigenbases(gg) for gg in ggs]
+    if needed("Q") or needed("exp_avg"):
+        qs = [_eigenbases(gg) for gg in ggs]
+    else:
+        qs = [tuple(None if q is None else zeros(q) for q in q_C) for q_C in qs_C]
     mus = []
     for mu_C, q_C, q in zip(mus_C, qs_C, qs, strict=True):
-        original_C = jax.vmap(project_back)(mu_C, q_C)
-        mus.append(project(mean(original_C), q).astype(mu_C.dtype))
+        if needed("exp_avg"):
+            original_C = jax.vmap(project_back)(mu_C, q_C)
+            mus.append(project(mean(original_C), q).astype(mu_C.dtype))
+        else:
+            mus.append(zeros(mu_C))
     return SoapState(
         count=shared(state_C.count),
         exp_avg=treedef.unflatten(mus),
-        exp_avg_sq=jax.tree.map(mean, state_C.exp_avg_sq),
+        exp_avg_sq=jax.tree.map(mean if needed("exp_avg_sq") else zeros, state_C.exp_avg_sq),
         GG=treedef.unflatten(ggs),
         Q=treedef.unflatten(qs),
         moment_count=shared(state_C.moment_count),
@@ -617,10 +668,7 @@ def soap_align_mask(state: SoapState) -> SoapState:
     """What FedPAC_SOAP's Θ alignment warm-starts from the server (FedPAC (Liu et al.) Alg. 2).
 
     The server's average of ``Θ = {L, R}`` (line 16; clients upload ``GG`` only, ``Q`` is never
-    sent) and the eigenbases ``Q`` it rebuilds from that average (:func:`average_soap_states`):
-    ``Q`` is a function of ``Θ`` (§3.2's ``P_Θ`` uses ``InvRoot(L), InvRoot(R)``), so a client
-    starts the round in the basis of the aligned factors, not in ``init``'s placeholder. And
-    ``count``, the shared schedule counter, so that the basis refresh runs every
+    sent), and ``count``, the shared schedule counter, so that the basis refresh runs every
     ``precondition_frequency`` steps of the whole training (``(rK + k) mod f``, as Alg. 9 line 9
     counts Sophia's Hessian refresh).
 
@@ -632,8 +680,13 @@ def soap_align_mask(state: SoapState) -> SoapState:
     step, for Local SOAP and FedPAC_SOAP alike; Alg. 4/5 have no update-free step). Both methods
     take ``K − 1`` Adam steps per round, and the bias correction ``√(1 − β₂ᵗ)/(1 − β₁ᵗ)`` counts
     ``t`` from the round's second step.
+
+    Nor ``Q``: that call replaces it before any use, so a basis the server rebuilt from the
+    averaged factors (``Q`` is a function of ``Θ``, §3.2's ``P_Θ``) would reach no parameter.
+    The server's average then skips it (:func:`average_soap_states` with this mask): one
+    ``eigh`` per factor and round fewer, the same parameters.
     """
-    return _soap_mask(state, count=True, factors=True, bases=True)
+    return _soap_mask(state, count=True, factors=True)
 
 
 federated.register_average(
@@ -642,6 +695,7 @@ federated.register_average(
     upload_mask=soap_upload_mask,
     theta_mask=soap_theta_mask,
     align_mask=soap_align_mask,
+    partial=True,
 )
 
 __all__ = [
