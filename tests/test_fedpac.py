@@ -254,11 +254,11 @@ def _np_soap(data, aligned: str):
 def test_fedpac_soap_matches_alg2_with_alg5(x64, aligned):
     """FedPAC_SOAP, 3 rounds of 3 of 4 clients, K = 3, f = 4 (refreshes at global steps 4 and
     8, inside rounds 1 and 2): params, g_G and the drift (Eq. 7 over L, R; the stacked path of
-    SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged (the
-    server rebuilds no Q, which no client reads), m and v from zero, each round's first step update-free (it adds the
-    gradient to L, R and rebuilds Q by eigh, as Local SOAP's first step does) and t restarting
-    at 1 on the second, the refresh counted over the whole training; ``"state"``: m, v averaged
-    too (the only update-free step is training's first), and the old code path's params
+    SOAP's averaging rule) equal the NumPy transcription. ``"theta"``: L, R averaged (the server
+    rebuilds no Q, which no client reads), m and v from zero, each round's first step update-free
+    (it adds the gradient to L, R and rebuilds Q by eigh, as Local SOAP's first step does) and t
+    restarting at 1 on the second, the refresh counted over the whole training; ``"state"``: m, v
+    averaged too (the only update-free step is training's first), and the old code path's params
     (``GOLDEN``).
     """
     data = _diagonal_clients()

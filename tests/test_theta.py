@@ -125,9 +125,9 @@ def test_theta_masks_name_the_papers_theta():
 def test_align_masks_are_theta_and_what_the_server_derives_from_it():
     """What FedPAC's Θ alignment warm-starts (``federated.align_mask``, FedPAC (Liu et al.) Alg. 2
     line 3): SOAP L, R and the shared count (not m, v, nor their moment_count, nor the bases Q,
-    which each client's update-free call rebuilds); Sophia h and the count (Alg. 9 line 9's global schedule), not m; Muon its
-    momentum, not the Adam fallback of the non-matrix leaf; AdamW (no Θ) everything. Uploaded
-    and averaged: the aligned leaves that are uploaded, i.e. Θ itself."""
+    which each client's update-free call rebuilds); Sophia h and the count (Alg. 9 line 9's global
+    schedule), not m; Muon its momentum, not the Adam fallback of the non-matrix leaf; AdamW (no Θ)
+    everything. Uploaded and averaged: the aligned leaves that are uploaded, i.e. Θ itself."""
     states = {name: _random_states(name, seed=0) for name in ("soap", "sophia", "muon", "adamw")}
     picked = {}
     for name, st in states.items():
