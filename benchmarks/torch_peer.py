@@ -36,7 +36,11 @@ fedorth's ``fed.options.aligned`` (``Peer(aligned=...)``):
   restarts every round. SOAP's moments restart, so every round begins with the update-free call
   that adds the client's first gradient to the server's ``L, R`` and rebuilds ``Q`` by ``eigh``
   (one ``eigh`` per factor, client and round), and its basis refresh runs every
-  ``precondition_frequency`` calls of the whole training (``count``);
+  ``precondition_frequency`` calls of the whole training (``count``). The server's ``Q``, rebuilt
+  by ``eigh`` as part of the whole-state average, is replaced by that call before any use:
+  fedorth's server skips it in this mode (``fedorth.optim.soap.average_soap_states``), this peer
+  keeps the plain whole-state average (S + 1 ``eigh`` per factor and round against fedorth's S;
+  the parameters are the same);
 * ``"state"``: the whole state, ``step`` counts included (after round 1, SOAP makes no
   update-free call).
 

@@ -65,7 +65,8 @@ def server_update(algorithm: fed.FedAlgorithm, ctx: fed.RoundContext, results_C)
         server_opt_state=server_opt_state,
     )
     if algorithm.start.averaged:
-        new = new.replace(opt_state=fed_optim.average_states(opt_state_C))
+        read = algorithm.start.read_mask(opt_state_C)  # what the next round's clients read
+        new = new.replace(opt_state=fed_optim.average_states(opt_state_C, read))
     if algorithm.quantities is not None:
         new = new.replace(extra=algorithm.quantities.update(ctx, new, {}))
     return algorithm.corrections.server_update(ctx, new, {}, mean_delta)

@@ -32,7 +32,9 @@ FedPAC rows run one alignment mode on every side, ``--aligned`` (fedorth's
 ``fed.options.aligned``, default ``theta``, the header's ``fedpac_aligned`` line and each row's
 ``aligned``): ``theta`` warm-starts the preconditioner ``Theta`` only, so each client's SOAP
 round opens with the update-free call that rebuilds ``Q`` by ``eigh`` (one per factor, client
-and round); ``state`` warm-starts the whole state (no such call after round 1).
+and round; fedorth's server then rebuilds no ``Q``, which no client would read, while the torch
+peer's average of the whole optimizer state does: ``S`` against ``S + 1`` per factor and round);
+``state`` warm-starts the whole state (no such call after round 1).
 
 Every implementation is warmed up (fedorth: round 1 compiles; its compile time is what JAX's
 ``/jax/core/compile/*`` monitoring events report), then the implementations run one round each in
@@ -313,7 +315,10 @@ def main(argv: list[str]) -> int:
         "fedpac_aligned": (
             f"{args.aligned} (fed.options.aligned; fedorth and every peer run it"
             + (
-                ": Theta only, each SOAP round opens with the update-free eigh call)"
+                ": Theta only, each SOAP round opens with the update-free eigh call; SOAP "
+                "makes S eigh per factor and round on fedorth, whose server rebuilds no Q that "
+                "no client reads, and S + 1 on the torch peer, which averages the whole "
+                "optimizer state as the reference does)"
                 if args.aligned == "theta"
                 else ": the whole optimizer state)"
             )

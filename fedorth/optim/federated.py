@@ -155,9 +155,9 @@ def align_mask(state: PyTree) -> PyTree:
     uploads ``Θ_i^{r,K}`` (line 12) and the server averages it (line 16); the rest of the
     optimizer state does what it does in Local-X: it starts from ``init`` every round. Per
     optimizer state that declared its ``Θ``: the leaves registered with ``align_mask=`` (SOAP:
-    ``L, R``, the bases ``Q`` the server rebuilds from them, and ``count``; Sophia: ``h`` and
-    ``count``), else its ``Θ`` (Muon: ``m``). Other nodes (the Adam fallback of a Muon
-    partition, chained stateless transforms) start from ``init``. A state in which nothing
+    ``L, R`` and ``count``; Sophia: ``h`` and ``count``), else its ``Θ`` (Muon: ``m``). Other
+    nodes (the Adam fallback of a Muon partition, chained stateless transforms) start from
+    ``init``. A state in which nothing
     declared a ``Θ`` (AdamW, momentum SGD) is aligned whole: every leaf is True.
 
     The engine uploads and averages the leaves that are both here and in :func:`upload_mask`

@@ -640,8 +640,9 @@ def soap_upload_mask(state: SoapState) -> SoapState:
     FedPAC_SOAP uploads the part of this that it aligns: ``L, R`` by default
     (:func:`soap_align_mask`), the moments too with ``fed.options.aligned="state"``.
 
-    The server rebuilds the eigenbases from the averaged factors (:func:`average_soap_states`),
-    so ``Q`` is neither sent nor low-rank compressed by the ``_light`` upload: a truncated ``Q``
+    The eigenbases are rebuilt from the averaged factors (by the server with the whole state,
+    :func:`average_soap_states`, by each client's update-free call under Θ alignment), so ``Q``
+    is neither sent nor low-rank compressed by the ``_light`` upload: a truncated ``Q``
     is no longer orthogonal, and rotating a moment with it loses it (FedPAC (Liu et al.) Alg. 5;
     Table 6's FedPAC_SOAP_light uploads the preconditioner by SVD, and the preconditioner is
     ``Θ = {L, R}``, §3.2). The first moment enters the average through ``P_c⁻¹(m_c)``, the
