@@ -23,6 +23,15 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
 
+def equations(jaxpr):
+    """Every equation of a (closed) jaxpr, those of its sub-jaxprs (cond branches, scan and
+    while bodies, pjit calls) too, depth first."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
 def rewrite_doc_section(doc: pathlib.Path, section: str, body: str) -> None:
     """Replaces the ``section`` heading's part of ``doc`` (up to the next ``## ``) with
     ``section`` + ``body``, or appends it: the generated sections of docs/ERRORS.md."""

@@ -19,11 +19,11 @@ FedPAC round's bfloat16 update differs from float32's by at most 1.7u of its nor
 import inspect
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from helpers import equations
 from jax import lax
 
 from configs import base
@@ -172,18 +172,15 @@ def both_runs(case: str):
 
 def products(closed_jaxpr) -> list[tuple[str, tuple[str, ...], str]]:
     """(primitive, operand dtypes, precision) of every dot_general / convolution, recursively."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-                dtypes = tuple(str(v.aval.dtype) for v in eqn.invars)
-                found.append((eqn.primitive.name, dtypes, str(eqn.params.get("precision"))))
-            for sub in jex.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed_jaxpr.jaxpr)
-    return found
+    return [
+        (
+            eqn.primitive.name,
+            tuple(str(v.aval.dtype) for v in eqn.invars),
+            str(eqn.params.get("precision")),
+        )
+        for eqn in equations(closed_jaxpr)
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
 
 
 def bf16_arithmetic(product) -> bool:

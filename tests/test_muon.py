@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from helpers import fast_jit
+from helpers import equations, fast_jit
 from optim_battery import (
     check_converges,
     check_inject_hyperparams,
@@ -341,17 +341,11 @@ def _dot_dtypes(fn, *args):
     """The (lhs, rhs, result) dtypes of every dot_general in fn's jaxpr (sub-jaxprs too), and
     the dtypes of fn's outputs."""
     closed = jax.make_jaxpr(fn)(*args)
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                dtypes = (*eqn.invars, eqn.outvars[0])
-                found.append(tuple(str(v.aval.dtype) for v in dtypes))
-            for sub in jax.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
+    found = [
+        tuple(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0]))
+        for eqn in equations(closed)
+        if eqn.primitive.name == "dot_general"
+    ]
     return found, {str(aval.dtype) for aval in closed.out_avals}
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 import optim_battery as battery
 import pytest
-from helpers import fast_jit
+from helpers import equations, fast_jit
 
 from fedorth.optim import SoapState, average_soap_states, federated, scale_by_soap, soap
 from fedorth.optim.soap import eigenbasis, project, project_back
@@ -870,18 +870,11 @@ def test_theta_mask_average_skips_the_bases_and_moments_no_client_reads(x64):
         assert all(not np.any(np.asarray(x)) for x in leaves), field
 
     def eighs(fn, *args) -> int:
-        def count(jaxpr) -> int:
-            total = 0
-            for eqn in jaxpr.eqns:
-                total += eqn.primitive.name == "eigh" or (
-                    eqn.primitive.name == "fedorth_host_lapack"
-                    and eqn.params["fn"] is linalg._np_eigh
-                )
-                for sub in jax.core.jaxprs_in_params(eqn.params):
-                    total += count(sub)
-            return total
-
-        return count(jax.make_jaxpr(fn)(*args).jaxpr)
+        return sum(
+            eqn.primitive.name == "eigh"
+            or (eqn.primitive.name == "fedorth_host_lapack" and eqn.params["fn"] is linalg._np_eigh)
+            for eqn in equations(jax.make_jaxpr(fn)(*args))
+        )
 
     rotated = sum(q is not None for q in jax.tree.leaves(state_C.GG, is_leaf=lambda x: x is None))
     assert rotated > 0

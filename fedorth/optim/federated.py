@@ -157,8 +157,8 @@ def align_mask(state: PyTree) -> PyTree:
     optimizer state that declared its ``Θ``: the leaves registered with ``align_mask=`` (SOAP:
     ``L, R`` and ``count``; Sophia: ``h`` and ``count``), else its ``Θ`` (Muon: ``m``). Other
     nodes (the Adam fallback of a Muon partition, chained stateless transforms) start from
-    ``init``. A state in which nothing
-    declared a ``Θ`` (AdamW, momentum SGD) is aligned whole: every leaf is True.
+    ``init``. A state in which nothing declared a ``Θ`` (AdamW, momentum SGD) is aligned whole:
+    every leaf is True.
 
     The engine uploads and averages the leaves that are both here and in :func:`upload_mask`
     (``fedorth.fed.start.Global.mask``): ``Θ`` itself, not ``Q`` nor the integer counters.
@@ -249,23 +249,16 @@ def average_states(states_C: PyTree, mask: PyTree | None = None) -> PyTree:
     Returns:
       The averaged state, with the client axis removed.
     """
-    if mask is None:
 
-        def go(node):
-            if _is_registered(node):
-                return _AVERAGE_RULES[type(node)](node)
+    def go(node, node_mask=None):
+        if not _is_registered(node):
             return mean_leaf(node)
+        if mask is not None and type(node) in _PARTIAL_RULES:
+            return _AVERAGE_RULES[type(node)](node, mask=node_mask)
+        return _AVERAGE_RULES[type(node)](node)
 
-        return jax.tree.map(go, states_C, is_leaf=_is_registered)
-
-    def go_masked(node, node_mask):
-        if _is_registered(node):
-            if type(node) in _PARTIAL_RULES:
-                return _AVERAGE_RULES[type(node)](node, mask=node_mask)
-            return _AVERAGE_RULES[type(node)](node)
-        return mean_leaf(node)
-
-    return jax.tree.map(go_masked, states_C, mask, is_leaf=_is_registered)
+    masks = () if mask is None else (mask,)
+    return jax.tree.map(go, states_C, *masks, is_leaf=_is_registered)
 
 
 def float_leaves_mask(tree: PyTree) -> PyTree:
