@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import blas_threads_seen, fast_jit
+from helpers import blas_threads_seen, equations, fast_jit
 
 from experiments.bench import (
     budget,
@@ -41,6 +41,7 @@ from fedorth.data.federated import make_federated, sample_batch
 from fedorth.models.layers import (
     conv2d,
     conv_general_dilated_canonical,
+    kernel_grad_chunk,
     resolve_conv_impl,
 )
 from fedorth.optim.newton_schulz import newton_schulz, newton_schulz_flops
@@ -847,6 +848,60 @@ def test_canonical_conv_gradients_equal_lax_in_float64(strides, padding, kernel)
         ours = fast_jit(jax.value_and_grad(loss(conv_general_dilated_canonical), (0, 1)))(x, w)
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [5, 6])
+def test_canonical_kernel_gradient_in_batch_chunks_equals_lax_in_float64(batch):
+    """The kernel gradient summed over batch chunks (`kernel_grad_chunk`: 2 images of a
+    16 x 16 x 80 float64 dy here, 160 KB each) is jax.grad's dW: two full chunks and a remainder
+    image (batch 5), three full chunks (batch 6); the chunks run in a scan."""
+    assert kernel_grad_chunk(batch, 16 * 16 * 80 * 8, 3 * 3 * 3 * 80 * 8) == 2
+    # Float32: the cnn's second layer (64 KB of dy per image, a 200 KB dW): chunks of 5; a
+    # 3x3 512 -> 512 layer on 4x4 images (32 KB per image, a 9.4 MB dW): one call.
+    assert kernel_grad_chunk(50, 16 * 16 * 64 * 4, 5 * 5 * 32 * 64 * 4) == 5
+    assert kernel_grad_chunk(50, 4 * 4 * 512 * 4, 3 * 3 * 512 * 512 * 4) == 50
+    assert kernel_grad_chunk(3, 1, 1) == 3 and kernel_grad_chunk(3, 10**9, 1) == 1
+    with jax.enable_x64(True):
+        x, w = _normal(0, (batch, 16, 16, 3)), _normal(1, (3, 3, 3, 80))
+        dims = ("NHWC", "HWIO", "NHWC")
+
+        def loss(conv):
+            return lambda x, w: jnp.sum(jnp.sin(conv(x, w, (1, 1), "SAME", dimension_numbers=dims)))
+
+        grad = jax.grad(loss(conv_general_dilated_canonical), 1)
+        scans = [
+            e for e in equations(jax.make_jaxpr(grad)(x, w).jaxpr) if e.primitive.name == "scan"
+        ]
+        assert [e.params["length"] for e in scans] == [batch // 2], scans
+        # XLA's level 0 (helpers.fast_jit): 1e-12 is 1e4x float64's rounding of these sums.
+        theirs = fast_jit(jax.grad(loss(jax.lax.conv_general_dilated), 1))(x, w)
+        np.testing.assert_allclose(fast_jit(grad)(x, w), theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_the_benchs_kernel_gradient_rows_time_the_same_gradient_both_ways():
+    """`python -m experiments.bench round --micro` times the canonical kernel gradient in one
+    convolution and in the backward pass's batch chunks (4 images of an 80 KB dy and a
+    remainder image here); both are the float64 NumPy sum of x_pad[b, p + i, q + j, c] ·
+    dy[b, p, q, o] at float32 rounding."""
+    from experiments.bench.sections import kernel_grad_chunks
+
+    (row,) = kernel_grad_chunks(((5, 16, 4, 80, 3, 1),), repeats=1, keep_values=True)
+    assert row["chunk"] == 4 and row["shape"] == [5, 16, 16, 4, 80, 3, 1]
+    assert row["one_call_ms"] > 0 and row["chunks_ms"] > 0
+    x = np.asarray(jax.random.normal(jax.random.key(3), (5, 16, 16, 4)), np.float64)
+    dy = np.asarray(jax.random.normal(jax.random.key(4), (5, 16, 16, 80)), np.float64)
+    x_pad = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    expected = np.stack(
+        [
+            np.stack(
+                [np.einsum("bpqc,bpqo->co", x_pad[:, i : i + 16, j : j + 16], dy) for j in range(3)]
+            )
+            for i in range(3)
+        ]
+    )
+    # Float32 sums of 1,280 products of entries up to |132|: 1.3e-4 and 1.8e-4 apart here.
+    for name in ("one_call", "chunks"):
+        np.testing.assert_allclose(row[name], expected, rtol=1e-5, atol=1e-3, err_msg=name)
 
 
 def _toy_cnn(conv_impl):

@@ -24,7 +24,12 @@ from experiments.bench.workloads import WORKLOADS, build_model, make_data
 from fedorth import fed
 from fedorth.data.federated import make_federated, sample_batch
 from fedorth.fed.metrics import tree_bytes
-from fedorth.models.layers import conv_general_dilated_canonical, conv_general_dilated_matmul
+from fedorth.models.layers import (
+    canonical_kernel_grad,
+    conv_general_dilated_canonical,
+    conv_general_dilated_matmul,
+    kernel_grad_chunk,
+)
 from fedorth.optim import federated as fed_optim
 
 
@@ -102,7 +107,10 @@ def micro_section(*, repeats: int, quick: bool) -> dict[str, Any]:
 
     * client mean ``[S, P] -> [P]``: ``jnp.mean(x, axis=0)`` vs ``mean_over_clients``;
     * one SGD step of a 5×5 convolution (the CNN's second layer: 50×16×16×32 → 64) alone and
-      inside a 3-iteration ``fori_loop``, per implementation (ms per step).
+      inside a 3-iteration ``fori_loop``, per implementation (ms per step);
+    * the canonical convolution's kernel gradient in one call and in batch chunks
+      (``kernel_grad_chunks``);
+    * two host ``eigh`` in turn and side by side (``host_eigh_pairs``).
     """
     clients, size = (4, 100_000) if quick else (10, 4_000_000)
     x = jax.random.normal(jax.random.key(0), (clients, size))
@@ -141,8 +149,56 @@ def micro_section(*, repeats: int, quick: bool) -> dict[str, Any]:
         }
     out["conv_step_shape"] = [batch, side, side, c_in, c_out]
     out["conv_step_ms"] = conv_ms
+    out["kernel_grad_chunks"] = kernel_grad_chunks(
+        KERNEL_GRAD_SHAPES_QUICK if quick else KERNEL_GRAD_SHAPES, repeats
+    )
     out["host_eigh_pairs"] = host_eigh_pairs((64, 128) if quick else HOST_EIGH_SIZES, repeats)
     return out
+
+
+# (batch, side, in, out, kernel, stride): the cnn's second layer, ResNet-18's first stage at
+# width 0.25 and 1, its second and last stages at width 1.
+KERNEL_GRAD_SHAPES = (
+    (50, 16, 32, 64, 5, 1),
+    (50, 32, 16, 16, 3, 1),
+    (50, 32, 64, 64, 3, 1),
+    (50, 16, 128, 128, 3, 1),
+    (50, 4, 512, 512, 3, 1),
+)
+KERNEL_GRAD_SHAPES_QUICK = ((5, 8, 4, 8, 3, 1),)
+
+
+def kernel_grad_chunks(shapes, repeats: int, keep_values: bool = False) -> list[dict[str, Any]]:
+    """The canonical convolution's kernel gradient (`fedorth.models.layers.canonical_kernel_grad`)
+    in one convolution over the batch against the backward pass's batch chunks
+    (`kernel_grad_chunk`), inside a 3-iteration `fori_loop` as in the local steps; ms per call,
+    the median of `repeats`. `keep_values`: each row also holds both gradients (for tests)."""
+    rows = []
+    for batch, side, c_in, c_out, k, s in shapes:
+        x = jax.random.normal(jax.random.key(3), (batch, side, side, c_in))
+        out_side = -(-side // s)
+        dy = jax.random.normal(jax.random.key(4), (batch, out_side, out_side, c_out))
+        w = jnp.zeros((k, k, c_in, c_out))
+        pads = tuple(
+            tuple(p) for p in jax.lax.padtype_to_pads((side, side), (k, k), (s, s), "SAME")
+        )
+        chunk = kernel_grad_chunk(batch, dy[0].size * dy.dtype.itemsize, w.size * w.dtype.itemsize)
+        row: dict[str, Any] = {"shape": [batch, side, side, c_in, c_out, k, s], "chunk": chunk}
+        for name, n in (("one_call", batch), ("chunks", chunk)):
+
+            def grad(x, dy, n=n):
+                return canonical_kernel_grad(x, dy, w, (s, s), pads, chunk=n)
+
+            def loop(x, dy, grad=grad):
+                body = lambda i, total: total + grad(x * (1.0 + i), dy)  # noqa: E731
+                return jax.lax.fori_loop(0, 3, body, jnp.zeros_like(w))
+
+            row[f"{name}_ms"] = _median_ms(loop, x, dy, repeats=max(1, repeats)) / 3
+            if keep_values:
+                row[name] = np.asarray(jax.jit(grad)(x, dy))
+        row["one_call_over_chunks"] = row["one_call_ms"] / row["chunks_ms"]
+        rows.append(row)
+    return rows
 
 
 HOST_EIGH_SIZES = (512, 1024, 2048, 3072, 4096)

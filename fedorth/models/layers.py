@@ -10,8 +10,9 @@ The loop slowdown comes from the *gradient* convolutions: XLA:CPU rewrites them 
 canonical form (batch-spatial-feature input, spatial-in-out kernel) with transposes at the top
 level, but not inside loop bodies (the kernel gradient ran 100x slower there). `impl="canonical"`
 keeps XLA's forward convolution and writes both gradients as canonical convolutions with explicit
-transposes (`conv_general_dilated_canonical`): fast inside loops, exact gradients. Layers with fewer
-than `CANONICAL_MIN_CHANNELS` (16) input channels (a network's stem) use im2col + dot under
+transposes (`conv_general_dilated_canonical`): fast inside loops, `jax.grad`'s sums, the kernel
+gradient summed over batch chunks that fit the core's cache (`canonical_kernel_grad`). Layers with
+fewer than `CANONICAL_MIN_CHANNELS` (16) input channels (a network's stem) use im2col + dot under
 `"canonical"` too, where XLA:CPU's convolution is slow.
 
 `conv2d(features, kernel_size, impl=...)` returns a plain `flax.linen.Conv` in every case (only its
@@ -19,7 +20,8 @@ than `CANONICAL_MIN_CHANNELS` (16) input channels (a network's stem) use im2col 
 `bias`) is identical and checkpoints are interchangeable between the implementations. Both
 replacements compute in their operands' dtype, which Flax sets (`nn.Conv(dtype=...)` casts input
 and kernel): under `model.dtype="bfloat16"` the im2col product and the canonical convolution's
-three convolutions (forward, dW, dx) are bfloat16 operations, like XLA's own convolution.
+three convolutions (forward, dW, dx) take bfloat16 operands, like XLA's own convolution (dW's
+chunks are summed in float32 and rounded once).
 `impl="auto"` picks when the module is traced (`resolve_conv_impl`): on CPU the canonical
 convolution (per layer, as above) where the round engine declares that clients run one at a time
 and are only differentiated in reverse mode (`conv_trace_mode("reverse_unbatched")`, the
@@ -310,22 +312,94 @@ def _canonical_conv_fwd(x, w, strides, pads, precision):
     return _canonical_conv(x, w, strides, pads, precision), (x, w)
 
 
+# The kernel gradient's convolution takes dy as its kernel, contracting the batch. XLA:CPU runs it
+# up to 5x slower when that kernel outgrows the core's cache (a 5x5 conv's dW, 50x16x16x32 -> 64:
+# 41 ms in one call, 19 ms in chunks of 5 images; a 3x3 64 -> 64 one on 32x32 images: 609 ms
+# against 129 ms image by image; docs/PERFORMANCE.md, "Kernel gradients in batch chunks"), so the
+# batch is cut into chunks whose share of dy stays under this many bytes.
+KERNEL_GRAD_CHUNK_BYTES = 320 * 1024
+
+
+def kernel_grad_chunk(batch: int, image_bytes: int, kernel_bytes: int) -> int:
+    """Images per chunk of the canonical kernel gradient, from 1 to `batch`.
+
+    As many as keep the chunk's share of dy (`image_bytes` per image) within
+    `KERNEL_GRAD_CHUNK_BYTES`, but no fewer than `kernel_bytes / image_bytes`: each chunk adds a
+    kernel-sized partial sum, and those additions must not move more bytes than dy itself (a
+    3x3 512 -> 512 layer on 4x4 images has a 9.4 MB dW against 32 KB of dy per image, and runs
+    fastest in one call)."""
+    image_bytes = max(1, image_bytes)
+    by_cache = KERNEL_GRAD_CHUNK_BYTES // image_bytes
+    by_sums = -(-kernel_bytes // image_bytes)
+    return max(1, min(batch, max(by_cache, by_sums)))
+
+
+def canonical_kernel_grad(x, dy, w, strides, pads, precision=None, chunk=None):
+    """dW of the canonical convolution, summed over batch chunks of `chunk` images.
+
+    dW[i, j, c, o] = sum_{b, p, q} x_pad[b, s_h p + i, s_w q + j, c] dy[b, p, q, o]: a forward
+    convolution with batch and feature axes swapped (C is the batch, B the contracted feature)
+    and dy as a kernel dilated by the stride. Rows past (kh, kw) are cut (strided remainders).
+    Chunks are summed in float32 at least (`preferred_element_type`), then cast to the kernel's
+    dtype once, so a bfloat16 gradient is rounded once, as by one convolution.
+
+    Args:
+      x: the input `[B, H, W, C]`.
+      dy: the output's cotangent `[B, H_out, W_out, O]`.
+      w: the kernel `[kh, kw, C, O]` (its shape and dtype are read).
+      strides: `(s_h, s_w)`.
+      pads: `((lo, hi), (lo, hi))`.
+      precision: passed to the convolutions.
+      chunk: images per chunk; None: `kernel_grad_chunk` (the backward pass's choice), B: one
+        convolution.
+
+    Returns:
+      dW `[kh, kw, C, O]` in `w`'s dtype.
+    """
+    kh, kw = w.shape[:2]
+    acc_dtype = jnp.promote_types(dy.dtype, jnp.float32)
+
+    def conv(x, dy):
+        dw = lax.conv_general_dilated(
+            jnp.transpose(x, (3, 1, 2, 0)),
+            jnp.transpose(dy, (1, 2, 0, 3)),
+            (1, 1),
+            pads,
+            rhs_dilation=strides,
+            dimension_numbers=_NHWC,
+            precision=precision,
+            preferred_element_type=acc_dtype,
+        )
+        return dw[:, :kh, :kw, :]
+
+    batch = x.shape[0]
+    if chunk is None:
+        itemsize = jnp.dtype(acc_dtype).itemsize
+        chunk = kernel_grad_chunk(batch, dy[0].size * dy.dtype.itemsize, w.size * itemsize)
+    full, rest = divmod(batch, chunk)
+    if full == 1 and rest == 0:
+        dw = conv(x, dy)
+    else:
+
+        def step(total, chunk_xy):
+            return total + conv(*chunk_xy), None
+
+        split = full * chunk
+        chunks = (
+            x[:split].reshape(full, chunk, *x.shape[1:]),
+            dy[:split].reshape(full, chunk, *dy.shape[1:]),
+        )
+        zero = jnp.zeros((x.shape[-1], kh, kw, dy.shape[-1]), acc_dtype)
+        dw, _ = lax.scan(step, zero, chunks)
+        if rest:
+            dw = dw + conv(x[split:], dy[split:])
+    return jnp.transpose(dw, (1, 2, 0, 3)).astype(w.dtype)
+
+
 def _canonical_conv_bwd(strides, pads, precision, residuals, dy):
     x, w = residuals
     kh, kw = w.shape[:2]
-    # dW[i, j, c, o] = sum_{b, p, q} x_pad[b, s_h p + i, s_w q + j, c] dy[b, p, q, o]: a forward
-    # convolution with batch and feature axes swapped (C is the batch, B the contracted feature)
-    # and dy as a kernel dilated by the stride. Rows past (kh, kw) are cut (strided remainders).
-    dw = lax.conv_general_dilated(
-        jnp.transpose(x, (3, 1, 2, 0)),
-        jnp.transpose(dy, (1, 2, 0, 3)),
-        (1, 1),
-        pads,
-        rhs_dilation=strides,
-        dimension_numbers=_NHWC,
-        precision=precision,
-    )
-    dw = jnp.transpose(dw[:, :kh, :kw, :], (1, 2, 0, 3))
+    dw = canonical_kernel_grad(x, dy, w, strides, pads, precision)
     # dx: dy dilated by the stride, correlated with the flipped kernel (in/out swapped); the
     # padding makes the output the input's size.
     dx_pads = []
@@ -366,7 +440,8 @@ def conv_general_dilated_canonical(
       dx = conv(dilate_s(dy), flip(w)ᵀ)        (kernel flipped spatially, in/out swapped),
     both in the batch-spatial-feature / spatial-in-out layout that XLA:CPU runs fast inside loop
     bodies, where its own gradient convolutions fall back to a slow generic loop (module
-    docstring). The gradients equal `jax.grad` of `lax.conv_general_dilated` exactly (same sums).
+    docstring). The gradients are `jax.grad`'s sums of `lax.conv_general_dilated`; dW is summed
+    over batch chunks (`canonical_kernel_grad`), so it differs from one sum by float rounding.
     Drop-in for `flax.linen.Conv(conv_general_dilated=...)`, restricted as
     `conv_general_dilated_matmul`.
 
