@@ -313,9 +313,9 @@ def _canonical_conv_fwd(x, w, strides, pads, precision):
 
 
 # The kernel gradient's convolution takes dy as its kernel, contracting the batch. XLA:CPU runs it
-# up to 5x slower when that kernel outgrows the core's cache (a 5x5 conv's dW, 50x16x16x32 -> 64:
-# 41 ms in one call, 19 ms in chunks of 5 images; a 3x3 64 -> 64 one on 32x32 images: 609 ms
-# against 129 ms image by image; docs/PERFORMANCE.md, "Kernel gradients in batch chunks"), so the
+# up to 6x slower when that kernel outgrows the core's cache (a 5x5 conv's dW, 50x16x16x32 -> 64:
+# 37 ms in one call, 20 ms in chunks of 5 images; a 3x3 64 -> 64 one on 32x32 images: 571 ms
+# against 91 ms image by image; docs/PERFORMANCE.md, "Kernel gradients in batch chunks"), so the
 # batch is cut into chunks whose share of dy stays under this many bytes.
 KERNEL_GRAD_CHUNK_BYTES = 320 * 1024
 
