@@ -15,6 +15,7 @@ from fedorth.optim.newton_schulz import (
     _POLAR_EXPRESS_RAW,
     NS_PRESETS,
     POLAR_EXPRESS_SAFETY,
+    SYMMETRIC_BLOCKS_MIN,
     default_ns_dtype,
     newton_schulz,
     newton_schulz_flops,
@@ -403,3 +404,24 @@ def test_errors():
         newton_schulz(x, 2, (1.0, 2.0))
     with pytest.raises(ValueError, match="tuple of three numbers"):
         newton_schulz(x, 2, [(1.0, 2.0, 3.0), (1.0,)])
+
+
+@pytest.mark.parametrize("shape", [(1024, 1030), (1031, 1025)])
+def test_symmetric_blocks_from_1024_rows_match_float64_numpy(shape):
+    """From `SYMMETRIC_BLOCKS_MIN` (1024) on, on CPU, A = XXᵀ and A² come from three half-size
+    blocks each: the same iteration, to float64 round-off (an odd side splits unevenly). The
+    lowered program has 3 + 6 + 1 products per step there, and 3 at a smaller side of 1023."""
+    x = np.random.default_rng(5).standard_normal(shape)
+    with jax.enable_x64(True):
+        got = np.asarray(fast_jit(lambda x: newton_schulz(x, 2, "jordan"))(x))
+    ref = np_newton_schulz(x, ns_coefficients("jordan", 2))[-1]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
+
+    def products(shape):
+        lowered = jax.jit(lambda x: newton_schulz(x, 1, "jordan")).lower(jnp.zeros(shape))
+        return lowered.as_text().count("stablehlo.dot_general")
+
+    assert SYMMETRIC_BLOCKS_MIN == 1024
+    assert products(shape) == (10 if jax.default_backend() == "cpu" else 3)
+    smaller = tuple(1023 if d == min(shape) else d for d in shape)
+    assert products(smaller) == 3
