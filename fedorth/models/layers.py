@@ -376,10 +376,10 @@ def canonical_kernel_grad(x, dy, w, strides, pads, precision=None, chunk=None):
     if chunk is None:
         itemsize = jnp.dtype(acc_dtype).itemsize
         chunk = kernel_grad_chunk(batch, dy[0].size * dy.dtype.itemsize, w.size * itemsize)
-    full, rest = divmod(batch, chunk)
-    if full == 1 and rest == 0:
+    if chunk >= batch:
         dw = conv(x, dy)
     else:
+        full, rest = divmod(batch, chunk)
 
         def step(total, chunk_xy):
             return total + conv(*chunk_xy), None

@@ -299,9 +299,8 @@ def newton_schulz(
         return mm(apply_spec, A, A)
 
     gram, square = plain_gram, plain_square
-    h = min(x.shape[-2:]) // 2
-    if 2 * h >= SYMMETRIC_BLOCKS_MIN:
-        # On CPU, A and A² (both symmetric) from three of their four half-size blocks.
+    if min(x.shape[-2:]) >= SYMMETRIC_BLOCKS_MIN:
+        h = min(x.shape[-2:]) // 2
 
         def blocks_gram(X):
             lo, hi = (X[..., :, :h], X[..., :, h:]) if tall else (X[..., :h, :], X[..., h:, :])
